@@ -1,0 +1,41 @@
+import mlx.core as mx
+import pytest
+
+from turbospark_mlx import KvCacheManager, LayerSpec
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    mx.random.seed(0)
+
+
+def random_kv(B, H, L, D, dtype=mx.float16, scale=1.0):
+    k = (scale * mx.random.normal((B, H, L, D))).astype(dtype)
+    v = (scale * mx.random.normal((B, H, L, D))).astype(dtype)
+    return k, v
+
+
+def committed_state(cache: KvCacheManager) -> dict:
+    """Everything visible in a cache: per layer the offset and the committed rows."""
+    out = {"offset": cache.offset}
+    for i in range(cache.n_layers):
+        if cache.specs[i].shared_from is not None:
+            continue
+        off = cache.layer_offset(i)
+        out[i] = {name: a[:, :, : min(off, a.shape[2])] for name, a in cache.layer_arrays(i).items()}
+        out[i]["offset"] = off
+    return out
+
+
+def assert_same_state(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "offset":
+            assert a[key] == b[key]
+            continue
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            if name == "offset":
+                assert a[key][name] == b[key][name]
+            else:
+                assert mx.array_equal(a[key][name], b[key][name]).item(), (key, name)

@@ -1,0 +1,152 @@
+"""Reference attention: TurboQuant-from-codes vs dense math, FP16 paths vs dense math."""
+
+import mlx.core as mx
+import pytest
+
+from conftest import random_kv
+from turbospark_mlx import KvCacheManager, LayerSpec, attention_any, store_kv
+from turbospark_mlx.attention import attention_mask, fp16_attention_ref, tq_attention_ref
+from turbospark_mlx.quant import dequantize_ref
+
+
+def fill(cache, layer, L, chunk=None, scale=1.0):
+    spec = cache.specs[layer]
+    k, v = random_kv(cache.batch_size, spec.n_kv_heads, L, spec.head_dim, scale=scale)
+    chunk = chunk or L
+    for s in range(0, L, chunk):
+        store_kv(cache, layer, s, k[:, :, s : s + chunk], v[:, :, s : s + chunk])
+    return k, v
+
+
+def dequantized(cache, layer, end):
+    a, q = cache.layer_arrays(layer), cache.layer_quant(layer)
+    k = dequantize_ref(a["k_codes"][:, :, :end], a["k_norms"][:, :, :end], q.k)
+    v = dequantize_ref(a["v_codes"][:, :, :end], a["v_norms"][:, :, :end], q.v)
+    return k, v
+
+
+@pytest.mark.parametrize("L", [1, 17, 300, 1025])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_tq_decode_equals_dense_over_dequantized(L, group, B, with_sinks):
+    Hkv, D = 2, 128
+    cache = KvCacheManager([LayerSpec(Hkv, D)], "k4v3", batch_size=B, max_rows=L)
+    fill(cache, 0, L)
+    q = mx.random.normal((B, Hkv * group, 1, D))
+    sinks = mx.random.normal((Hkv * group,)) if with_sinks else None
+    got = attention_any(cache, 0, q, sinks=sinks)
+    k, v = dequantized(cache, 0, L)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, sinks=sinks)
+    assert got.shape == (B, Hkv * group, 1, D)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), mx.abs(got - want).max().item()
+
+
+@pytest.mark.parametrize("preset,D", [("tq2", 64), ("tq3", 96), ("tq4", 256), ("k8v4", 128), ("k8v3", 512)])
+def test_tq_m_rows_causal_equals_dense(preset, D):
+    """M query rows over packed history + the new rows, causal, with kv_start and sinks."""
+    B, Hkv, G, L, M = 2, 2, 2, 40, 7
+    cache = KvCacheManager([LayerSpec(Hkv, D)], preset, batch_size=B, max_rows=64)
+    fill(cache, 0, L, chunk=M)
+    q = mx.random.normal((B, Hkv * G, M, D)).astype(mx.float16)
+    sinks = mx.random.normal((Hkv * G,))
+    kv_start = mx.array([0, 5])
+    got = attention_any(cache, 0, q, sinks=sinks, kv_start=kv_start, scale=0.3)
+    k, v = dequantized(cache, 0, L)
+    mask = attention_mask(mx.arange(L), mx.arange(L - M, L), kv_start)
+    want = fp16_attention_ref(q, k, v, scale=0.3, mask=mask, sinks=sinks)
+    assert got.dtype == mx.float16
+    assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()  # fp16 output rounding
+
+
+def test_tq_attention_is_close_to_exact_attention():
+    """A sanity bound on quality: 4-bit TurboQuant attention vs FP16 attention on the raw K/V."""
+    B, Hkv, D, L = 1, 4, 128, 512
+    cache = KvCacheManager([LayerSpec(Hkv, D)], "tq4", max_rows=L)
+    k, v = fill(cache, 0, L)
+    q = mx.random.normal((B, Hkv, 1, D))
+    got = attention_any(cache, 0, q)
+    exact = fp16_attention_ref(q, k, v, scale=D**-0.5)
+    rel = (mx.linalg.norm(got - exact) / mx.linalg.norm(exact)).item()
+    assert rel < 0.15, rel
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("M", [1, 5])
+def test_fp16_layer_matches_dense(with_sinks, M):
+    B, Hkv, G, D, L = 2, 2, 4, 64, 33
+    cache = KvCacheManager([LayerSpec(Hkv, D)], "fp16", batch_size=B)
+    k, v = fill(cache, 0, L)
+    q = mx.random.normal((B, Hkv * G, M, D))
+    sinks = mx.random.normal((Hkv * G,)) if with_sinks else None
+    mask = attention_mask(mx.arange(L), mx.arange(L - M, L))
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=mask, sinks=sinks)
+    got = attention_any(cache, 0, q, sinks=sinks)
+    assert mx.allclose(got, want, rtol=1e-3, atol=1e-3).item()
+    got = attention_any(cache, 0, q, sinks=sinks, kv_start=3)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=attention_mask(mx.arange(L), mx.arange(L - M, L), 3), sinks=sinks)
+    assert mx.allclose(got, want, rtol=1e-3, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_ring_layer_matches_windowed_dense(with_sinks):
+    """A sliding-window ring after wrapping several times equals windowed attention over all keys."""
+    B, Hkv, G, D, W, L = 1, 2, 2, 64, 16, 100
+    cache = KvCacheManager([LayerSpec(Hkv, D, window=W)], "tq4", batch_size=B, max_rows=4)
+    assert cache.layer_quant(0) is None and cache.ring_capacity(0) == W + 3
+    k, v = fill(cache, 0, L, chunk=3)
+    assert cache.layer_nbytes(0) == 2 * B * Hkv * (W + 3) * D * 2
+    q = mx.random.normal((B, Hkv * G, 3, D))
+    sinks = mx.random.normal((Hkv * G,)) if with_sinks else None
+    got = attention_any(cache, 0, q, sinks=sinks)
+    mask = attention_mask(mx.arange(L), mx.arange(L - 3, L), 0, window=W)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=mask, sinks=sinks)
+    assert mx.allclose(got, want, rtol=1e-3, atol=1e-3).item()
+
+
+def test_ring_chunk_written_at_once_sees_its_own_window():
+    """M rows written together into a full ring: early rows still see their whole window."""
+    B, H, D, W, M = 1, 1, 64, 8, 6
+    step = KvCacheManager([LayerSpec(H, D, window=W)], "fp16", max_rows=M)
+    chunk = KvCacheManager([LayerSpec(H, D, window=W)], "fp16", max_rows=M)
+    k, v = random_kv(B, H, 30, D)
+    q = mx.random.normal((B, H, M, D))
+    for p in range(24):
+        store_kv(step, 0, p, k[:, :, p : p + 1], v[:, :, p : p + 1])
+        store_kv(chunk, 0, p, k[:, :, p : p + 1], v[:, :, p : p + 1])
+    store_kv(chunk, 0, 24, k[:, :, 24:30], v[:, :, 24:30])
+    outs = []
+    for m in range(M):
+        store_kv(step, 0, 24 + m, k[:, :, 24 + m : 25 + m], v[:, :, 24 + m : 25 + m])
+        outs.append(attention_any(step, 0, q[:, :, m : m + 1]))
+    assert mx.allclose(attention_any(chunk, 0, q), mx.concatenate(outs, axis=2), atol=1e-3).item()
+
+
+def test_shared_layer_reads_its_owner():
+    specs = [LayerSpec(2, 64), LayerSpec(2, 64, shared_from=0)]
+    cache = KvCacheManager(specs, "tq4")
+    fill(cache, 0, 10)
+    q = mx.random.normal((1, 4, 1, 64))
+    assert cache.layer_quant(1) is cache.layer_quant(0)
+    assert mx.array_equal(attention_any(cache, 1, q), attention_any(cache, 0, q)).item()
+    assert cache.layer_nbytes(0) > 0 and 1 not in cache._layers
+
+
+def test_attention_input_errors():
+    cache = KvCacheManager([LayerSpec(2, 64)], "tq4")
+    fill(cache, 0, 4)
+    good = mx.random.normal((1, 4, 1, 64))
+    with pytest.raises(ValueError, match="head_dim"):
+        attention_any(cache, 0, mx.random.normal((1, 4, 1, 32)))
+    with pytest.raises(ValueError, match="multiple"):
+        attention_any(cache, 0, mx.random.normal((1, 3, 1, 64)))
+    with pytest.raises(ValueError, match="batch size"):
+        attention_any(cache, 0, mx.random.normal((2, 4, 1, 64)))
+    with pytest.raises(TypeError, match="floating"):
+        attention_any(cache, 0, good.astype(mx.int32))
+    with pytest.raises(ValueError, match="sinks"):
+        attention_any(cache, 0, good, sinks=mx.zeros((2,)))
+    with pytest.raises(ValueError, match="committed"):
+        attention_any(cache, 0, good, position=4)
+    with pytest.raises(ValueError, match="kv_start"):
+        attention_any(cache, 0, good, kv_start=4)

@@ -1,0 +1,581 @@
+"""The KV cache manager and the write path.
+
+Write path (kept from the runtime this package re-creates):
+  1. `kv_write_target(kv, half, layer, position)` is where a block puts its
+     finished K or V rows (after k-norm / RoPE): the cache slot on an FP16
+     layer, an FP16 staging row (`KvStage`) on a TurboQuant layer. A
+     compressed row is never a write target. A sliding-window ring stages
+     too: writing its slot would drop the oldest row it keeps before the
+     write is committed, so a half-done write could not be taken back.
+  2. `commit_kv(kv, layer, position, m)` makes the M rows part of the cache:
+     on a TurboQuant layer it quantizes the K and V staging rows into packed
+     codes + norms; on a ring it copies them into the ring; on a growing FP16
+     layer no data moves.
+  3. `attention.attention_any` then reads the cache, packed or FP16.
+
+Layers are FP16 (growing), FP16 rings (sliding window; never quantized), or
+TurboQuant (packed codes + float32 norms, growing). A layer can also read
+another layer's KV (`LayerSpec.shared_from`) and then owns no storage.
+Storage grows in steps like mlx-lm's KVCache, so a token does not reallocate.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .quant.config import TurboQuantConfig, get_preset
+from .quant.turboquant import LayerQuant, quantize_ref, side_quant
+
+HALVES = ("k", "v")
+FILE_FORMAT = "turbospark-kv/1"
+FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape of one attention layer's KV.
+
+    Attributes:
+        n_kv_heads: KV heads.
+        head_dim: per-head dimension (K and V).
+        window: sliding-window size; the layer is then an FP16 ring.
+        shared_from: this layer attends over another (earlier) layer's KV
+            and owns no storage (gemma4's KV-shared layers).
+    """
+
+    n_kv_heads: int
+    head_dim: int
+    window: int | None = None
+    shared_from: int | None = None
+
+
+@dataclass
+class _Layer:
+    """Storage and bookkeeping of one layer that owns its KV."""
+
+    spec: LayerSpec
+    quant: LayerQuant | None
+    ring_capacity: int | None
+    arrays: dict[str, mx.array] = field(default_factory=dict)
+    capacity: int = 0
+    offset: int = 0
+
+
+class KvStage:
+    """FP16 staging rows for compressed layers and rings.
+
+    One K and one V array of shape (B, H, max_rows, D) per distinct (H, D)
+    among the staged layers; layers run one after another, so they share
+    them. Blocks finish K/V here (norm, RoPE) before `commit_kv` stores them.
+    """
+
+    def __init__(self, batch_size: int, max_rows: int, dtype: mx.Dtype):
+        self.batch_size = batch_size
+        self.max_rows = max_rows
+        self.dtype = dtype
+        self.rows: dict[tuple[int, int], dict[str, mx.array]] = {}
+        # (layer, half) -> (position, m) of the rows staged and not yet committed.
+        self.pending: dict[tuple[int, str], tuple[int, int]] = {}
+
+    def buffers(self, n_heads: int, head_dim: int) -> dict[str, mx.array]:
+        key = (n_heads, head_dim)
+        if key not in self.rows:
+            shape = (self.batch_size, n_heads, self.max_rows, head_dim)
+            self.rows[key] = {h: mx.zeros(shape, dtype=self.dtype) for h in HALVES}
+        return self.rows[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for pair in self.rows.values() for a in pair.values())
+
+
+@dataclass(frozen=True)
+class KvTarget:
+    """Where `write` puts K or V rows for (layer, position): a slot or a staging row."""
+
+    kv: "KvCacheManager"
+    half: str
+    layer: int
+    position: int
+    staged: bool
+
+    def write(self, rows: mx.array) -> None:
+        """Write (B, H, M, D) rows for positions [position, position + M)."""
+        self.kv._write(self, rows)
+
+
+class KvCacheManager:
+    """Per-layer KV storage: FP16, FP16 ring, or TurboQuant-packed.
+
+    Args:
+        layers: one `LayerSpec` per attention layer.
+        kv: a preset name from `PRESETS` or a `TurboQuantConfig`.
+        batch_size: B, the number of sequences.
+        max_rows: the largest M-row write (prefill chunk, speculative verify);
+            sizes the staging rows and the slack rings keep beyond their window.
+        max_context: if set, writing past this many positions is an error.
+        dtype: dtype of FP16 storage and staging (float16 or bfloat16).
+        step: growth step of storage, in positions.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec],
+        kv: str | TurboQuantConfig = "tq4",
+        *,
+        batch_size: int = 1,
+        max_rows: int = 512,
+        max_context: int | None = None,
+        dtype: mx.Dtype = mx.float16,
+        step: int = 256,
+    ):
+        self.config = get_preset(kv)
+        self.specs = tuple(layers)
+        if not self.specs:
+            raise ValueError("a KV cache needs at least one layer")
+        if batch_size < 1 or max_rows < 1 or step < 1:
+            raise ValueError(
+                f"batch_size, max_rows and step must be >= 1, got {batch_size}, {max_rows}, {step}"
+            )
+        if dtype not in (mx.float16, mx.bfloat16):
+            raise ValueError(f"FP16 storage dtype must be float16 or bfloat16, got {dtype}")
+        self.batch_size = batch_size
+        self.max_rows = max_rows
+        self.max_context = max_context
+        self.dtype = dtype
+        self.step = step
+        self.stage = KvStage(batch_size, max_rows, dtype)
+        self._layers: dict[int, _Layer] = {}
+        n = len(self.specs)
+        for i, spec in enumerate(self.specs):
+            self._check_spec(i, spec)
+            if spec.shared_from is not None:
+                continue
+            sliding = spec.window is not None
+            quant = None
+            if self.config.is_quantized_layer(i, n, sliding=sliding):
+                quant = LayerQuant(
+                    layer=i,
+                    k=side_quant(self.config.k_bits, spec.head_dim, self.config.rotation, self.config.seed, i, "k"),
+                    v=side_quant(self.config.v_bits, spec.head_dim, self.config.rotation, self.config.seed, i, "v"),
+                )
+            # A ring keeps max_rows - 1 positions beyond its window, so an
+            # M-row write never overwrites a key that a row of the same chunk needs.
+            ring = spec.window + max_rows - 1 if sliding else None
+            self._layers[i] = _Layer(spec, quant, ring)
+
+    def _check_spec(self, i: int, spec: LayerSpec) -> None:
+        if spec.n_kv_heads < 1 or spec.head_dim < 1:
+            raise ValueError(f"layer {i}: n_kv_heads and head_dim must be >= 1, got {spec}")
+        if spec.window is not None and spec.window < 1:
+            raise ValueError(f"layer {i}: window must be >= 1, got {spec.window}")
+        src = spec.shared_from
+        if src is not None:
+            if not 0 <= src < i or self.specs[src].shared_from is not None:
+                raise ValueError(
+                    f"layer {i} shares layer {src}'s KV: the owner must be an earlier layer that owns storage"
+                )
+            owner = self.specs[src]
+            if (owner.n_kv_heads, owner.head_dim, owner.window) != (spec.n_kv_heads, spec.head_dim, spec.window):
+                raise ValueError(f"layer {i} shares layer {src}'s KV but their shapes or windows differ")
+
+    def __deepcopy__(self, memo) -> "KvCacheManager":
+        # Tables are immutable and shared; storage arrays get new objects, since
+        # a slice update mutates the array object it is applied to.
+        new = copy.copy(self)
+        new._layers = {
+            i: replace(l, arrays={n: mx.array(a) for n, a in l.arrays.items()}) for i, l in self._layers.items()
+        }
+        new.stage = copy.copy(self.stage)
+        new.stage.rows = {key: {h: mx.array(a) for h, a in pair.items()} for key, pair in self.stage.rows.items()}
+        new.stage.pending = dict(self.stage.pending)
+        return new
+
+    # -- layout -----------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.specs)
+
+    def owner(self, layer: int) -> int:
+        """The layer whose storage `layer` reads (itself unless KV-shared)."""
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range for a {self.n_layers}-layer cache")
+        src = self.specs[layer].shared_from
+        return layer if src is None else src
+
+    def _layer(self, layer: int) -> _Layer:
+        return self._layers[self.owner(layer)]
+
+    def layer_quant(self, layer: int) -> LayerQuant | None:
+        """The TurboQuant tables of `layer`, or None if it is FP16."""
+        return self._layer(layer).quant
+
+    def quant_tables(self) -> dict[int, LayerQuant]:
+        """Tables of every compressed layer that owns storage, by layer index."""
+        return {i: l.quant for i, l in self._layers.items() if l.quant is not None}
+
+    def is_staged(self, layer: int) -> bool:
+        """Whether writes to `layer` go through staging (compressed layers and rings)."""
+        l = self._layer(layer)
+        return l.quant is not None or l.ring_capacity is not None
+
+    def ring_capacity(self, layer: int) -> int | None:
+        """Slots of `layer`'s ring, or None if it is not a sliding-window layer."""
+        return self._layer(layer).ring_capacity
+
+    def layer_arrays(self, layer: int) -> dict[str, mx.array]:
+        """The storage arrays of `layer` (keys/values, or k_codes/k_norms/v_codes/v_norms)."""
+        return self._layer(layer).arrays
+
+    # -- positions ----------------------------------------------------------
+
+    def layer_offset(self, layer: int) -> int:
+        """Positions committed in `layer`."""
+        return self._layer(layer).offset
+
+    @property
+    def offset(self) -> int:
+        """Positions committed in every layer."""
+        return min(l.offset for l in self._layers.values())
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions of every layer; returns n.
+
+        A ring can give back at most the positions it keeps beyond its window
+        (max_rows); older ones were overwritten.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"trim needs a non-negative int, got {n!r}")
+        for i, l in self._layers.items():
+            if n > l.offset:
+                raise ValueError(f"cannot trim {n} positions: layer {i} holds only {l.offset}")
+            if l.ring_capacity is not None:
+                lowest = max(0, l.offset - l.ring_capacity)  # oldest position still in the ring
+                keep_from = l.offset - n - l.spec.window + 1  # oldest the next token attends to
+                if keep_from < lowest:
+                    raise ValueError(
+                        f"cannot trim {n} positions: sliding layer {i} keeps only "
+                        f"{l.ring_capacity - l.spec.window + 1} positions beyond its window"
+                    )
+        for l in self._layers.values():
+            l.offset -= n
+        self.stage.pending.clear()
+        return n
+
+    # -- bytes --------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by K/V storage (allocated capacity; staging excluded)."""
+        return sum(a.nbytes for l in self._layers.values() for a in l.arrays.values())
+
+    def layer_nbytes(self, layer: int) -> int:
+        return sum(a.nbytes for a in self._layers[layer].arrays.values())
+
+    def fp16_nbytes(self) -> int:
+        """What the same allocated capacity would take as FP16 K and V."""
+        return sum(
+            2 * self.batch_size * l.spec.n_kv_heads * l.capacity * l.spec.head_dim * 2
+            for l in self._layers.values()
+        )
+
+    def summary(self) -> str:
+        """A printable table: per layer its kind, shape, offset and bytes."""
+        lines = [f"KV cache  preset={self.config.name}  B={self.batch_size}  offset={self.offset}"]
+        lines.append(f"{'layer':>5}  {'kind':<22} {'heads':>5} {'dim':>4} {'offset':>7} {'bytes':>12}")
+        for i, spec in enumerate(self.specs):
+            if spec.shared_from is not None:
+                kind, nbytes, off = f"shared -> {spec.shared_from}", 0, self.layer_offset(i)
+            else:
+                l = self._layers[i]
+                if l.quant is not None:
+                    kind = f"turboquant k{l.quant.k.bits}v{l.quant.v.bits}"
+                elif l.ring_capacity is not None:
+                    kind = f"fp16 ring w={spec.window} cap={l.ring_capacity}"
+                else:
+                    kind = "fp16"
+                nbytes, off = self.layer_nbytes(i), l.offset
+            lines.append(f"{i:>5}  {kind:<22} {spec.n_kv_heads:>5} {spec.head_dim:>4} {off:>7} {nbytes:>12,}")
+        lines.append(f"total {self.nbytes:,} bytes (FP16 would be {self.fp16_nbytes():,})")
+        return "\n".join(lines)
+
+    # -- writes -------------------------------------------------------------
+
+    def _check_rows(self, layer: int, position: int, rows: mx.array) -> _Layer:
+        """Validate an M-row write; raises before anything is changed."""
+        if self.specs[layer].shared_from is not None:
+            raise ValueError(
+                f"layer {layer} reads layer {self.specs[layer].shared_from}'s KV and owns no storage; "
+                "write to the owner"
+            )
+        l = self._layers[layer]
+        spec = l.spec
+        if not isinstance(rows, mx.array) or rows.ndim != 4:
+            raise ValueError(f"layer {layer}: K/V rows must be a 4-D mx.array (B, H, M, D)")
+        if not mx.issubdtype(rows.dtype, mx.floating):
+            raise TypeError(f"layer {layer}: K/V rows must be floating point, got {rows.dtype}")
+        B, H, M, D = rows.shape
+        if B != self.batch_size:
+            raise ValueError(f"layer {layer}: batch size {B} does not match the cache's {self.batch_size}")
+        if H != spec.n_kv_heads:
+            raise ValueError(f"layer {layer}: {H} KV heads given, the layer has {spec.n_kv_heads}")
+        if D != spec.head_dim:
+            raise ValueError(f"layer {layer}: head_dim {D} given, the layer has {spec.head_dim}")
+        if M < 1:
+            raise ValueError(f"layer {layer}: a write needs at least one row")
+        if position != l.offset:
+            raise ValueError(
+                f"layer {layer}: write at position {position}, but the layer's next position is {l.offset}"
+            )
+        if self.is_staged(layer) and M > self.max_rows:
+            what = "ring" if l.ring_capacity is not None else "staging"
+            raise ValueError(
+                f"layer {layer}: {M} rows at once exceed the {what} capacity of max_rows={self.max_rows}"
+            )
+        if l.ring_capacity is None and self.max_context is not None and position + M > self.max_context:
+            raise ValueError(
+                f"layer {layer}: positions up to {position + M} exceed max_context={self.max_context}"
+            )
+        return l
+
+    def _write(self, target: KvTarget, rows: mx.array) -> None:
+        l = self._check_rows(target.layer, target.position, rows)
+        M = rows.shape[2]
+        if target.staged:
+            buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
+            buf[target.half][:, :, :M, :] = rows.astype(self.dtype)
+        else:
+            name = "keys" if target.half == "k" else "values"
+            self._reserve(l, target.position + M)
+            self._put(l, name, target.position, rows.astype(self.dtype))
+        self.stage.pending[(target.layer, target.half)] = (target.position, M)
+
+    def _reserve(self, l: _Layer, end: int) -> None:
+        """Grow storage in whole steps (up to the ring size) so that `end` positions fit."""
+        need = end if l.ring_capacity is None else min(end, l.ring_capacity)
+        if need <= l.capacity:
+            return
+        new_cap = -(-need // self.step) * self.step
+        if l.ring_capacity is not None:
+            new_cap = min(new_cap, l.ring_capacity)
+        for name, (tail, dtype) in self._storage_layout(l).items():
+            shape = (self.batch_size, l.spec.n_kv_heads, new_cap - l.capacity, *tail)
+            grown = mx.zeros(shape, dtype=dtype)
+            old = l.arrays.get(name)
+            l.arrays[name] = grown if old is None else mx.concatenate([old[:, :, : l.capacity], grown], axis=2)
+        l.capacity = new_cap
+
+    def _storage_layout(self, l: _Layer) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+        if l.quant is None:
+            d = l.spec.head_dim
+            return {"keys": ((d,), self.dtype), "values": ((d,), self.dtype)}
+        return {
+            "k_codes": ((l.quant.k.words,), mx.uint32),
+            "k_norms": ((), mx.float32),
+            "v_codes": ((l.quant.v.words,), mx.uint32),
+            "v_norms": ((), mx.float32),
+        }
+
+    def _put(self, l: _Layer, name: str, position: int, rows: mx.array) -> None:
+        """Slice-update rows at `position` (wrapping on a ring)."""
+        M = rows.shape[2]
+        arr = l.arrays[name]
+        start = position if l.ring_capacity is None else position % l.ring_capacity
+        first = min(M, l.capacity - start)
+        arr[:, :, start : start + first] = rows[:, :, :first]
+        if first < M:  # wrapped around the ring
+            arr[:, :, : M - first] = rows[:, :, first:]
+
+    def commit(self, layer: int, position: int, m: int) -> None:
+        """See `commit_kv`."""
+        for half in HALVES:
+            if self.stage.pending.get((layer, half)) != (position, m):
+                raise ValueError(
+                    f"layer {layer}: commit of {m} rows at position {position} without matching "
+                    f"{half.upper()} rows written through kv_write_target"
+                )
+        l = self._layers[layer]
+        if self.is_staged(layer):
+            buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
+            rows = {}
+            for half in HALVES:
+                if l.quant is None:  # ring: copy the FP16 rows in
+                    rows["keys" if half == "k" else "values"] = buf[half][:, :, :m]
+                else:
+                    codes, norms = quantize_ref(buf[half][:, :, :m], l.quant.side(half))
+                    rows[f"{half}_codes"], rows[f"{half}_norms"] = codes, norms
+            self._reserve(l, position + m)
+            for name, r in rows.items():
+                self._put(l, name, position, r)
+        for half in HALVES:
+            del self.stage.pending[(layer, half)]
+        l.offset = position + m
+
+    def slot_positions(self, layer: int, end: int) -> mx.array:
+        """Position held by each storage slot [0, capacity) once `end` positions are written.
+
+        Slots not yet written hold -1. Linear storage: slot s holds position s.
+        """
+        l = self._layer(layer)
+        s = mx.arange(l.capacity)
+        if l.ring_capacity is None:
+            return mx.where(s < end, s, -1)
+        cap = l.ring_capacity
+        pos = s + cap * ((end - 1 - s) // cap)
+        return mx.where(s < end, pos, -1)
+
+    # -- state --------------------------------------------------------------
+
+    def _meta(self) -> dict[str, str]:
+        fingerprints = {
+            str(i): {h: q.side(h).fingerprint() for h in HALVES} for i, q in self.quant_tables().items()
+        }
+        return {
+            "format": FILE_FORMAT,
+            "config": json.dumps(asdict(self.config)),
+            "layers": json.dumps([asdict(s) for s in self.specs]),
+            "batch_size": str(self.batch_size),
+            "max_rows": str(self.max_rows),
+            "max_context": json.dumps(self.max_context),
+            "dtype": _dtype_name(self.dtype),
+            "step": str(self.step),
+            "offsets": json.dumps({str(i): l.offset for i, l in self._layers.items()}),
+            "capacities": json.dumps({str(i): l.capacity for i, l in self._layers.items()}),
+            "fingerprints": json.dumps(fingerprints),
+        }
+
+    def _tensors(self) -> dict[str, mx.array]:
+        return {f"layer.{i}.{name}": a for i, l in self._layers.items() for name, a in l.arrays.items()}
+
+    def save(self, path: str) -> str:
+        """Save storage and layout to a safetensors file; returns the path written.
+
+        The file carries a SHA-256 digest of its tensors and metadata, so a
+        truncated or edited file is refused at load.
+        """
+        if self.stage.pending:
+            raise ValueError("cannot save with rows written but not committed")
+        if not path.endswith(".safetensors"):
+            path += ".safetensors"
+        tensors = self._tensors()
+        meta = self._meta()
+        meta["digest"] = _digest(tensors, meta)
+        mx.save_safetensors(path, tensors, metadata=meta)
+        return path
+
+    @classmethod
+    def from_file(cls, path: str) -> "KvCacheManager":
+        """Load a cache saved by `save`; a damaged or edited file raises ValueError."""
+        try:
+            tensors, meta = mx.load(path, return_metadata=True)
+        except Exception as e:  # safetensors reports truncation in several ways
+            raise ValueError(f"cannot read KV cache file {path!r}: {e}") from None
+        if meta.get("format") != FILE_FORMAT:
+            raise ValueError(f"{path!r} is not a {FILE_FORMAT} KV cache file (format={meta.get('format')!r})")
+        stored_digest = meta.pop("digest", None)
+        if stored_digest != _digest(tensors, meta):
+            raise ValueError(f"KV cache file {path!r} is corrupted: its digest does not match its contents")
+        try:
+            cfg = json.loads(meta["config"])
+            config = TurboQuantConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
+            cache = cls(
+                [LayerSpec(**s) for s in json.loads(meta["layers"])],
+                config,
+                batch_size=int(meta["batch_size"]),
+                max_rows=int(meta["max_rows"]),
+                max_context=json.loads(meta["max_context"]),
+                dtype=FLOAT_DTYPES[meta["dtype"]],
+                step=int(meta["step"]),
+            )
+            offsets = {int(k): v for k, v in json.loads(meta["offsets"]).items()}
+            capacities = {int(k): v for k, v in json.loads(meta["capacities"]).items()}
+            fingerprints = json.loads(meta["fingerprints"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"KV cache file {path!r} has invalid metadata: {e}") from None
+        if cache._meta()["fingerprints"] != json.dumps(fingerprints):
+            raise ValueError(
+                f"KV cache file {path!r} was written with different quant tables than this version builds"
+            )
+        for i, l in cache._layers.items():
+            cap, off = capacities.get(i), offsets.get(i)
+            ring = l.ring_capacity
+            if cap is None or off is None or off < 0 or cap < min(off, ring or off) or cap > (ring or cap):
+                raise ValueError(f"KV cache file {path!r}: bad offset/capacity for layer {i}")
+            layout = cache._storage_layout(l) if cap else {}
+            for name, (tail, dtype) in layout.items():
+                a = tensors.get(f"layer.{i}.{name}")
+                want = (cache.batch_size, l.spec.n_kv_heads, cap, *tail)
+                if a is None or a.shape != want or a.dtype != dtype:
+                    got = None if a is None else (a.shape, a.dtype)
+                    raise ValueError(f"KV cache file {path!r}: layer {i} {name} is {got}, expected {(want, dtype)}")
+                l.arrays[name] = a
+            l.capacity, l.offset = cap, off
+        if set(tensors) != set(cache._tensors()):
+            raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
+        return cache
+
+    def load_state(self, path: str) -> None:
+        """Replace this cache's contents with a saved file of the same layout.
+
+        The file is fully checked first; on any error this cache is unchanged.
+        """
+        other = KvCacheManager.from_file(path)
+        mine = (self.config, self.specs, self.batch_size, self.dtype)
+        theirs = (other.config, other.specs, other.batch_size, other.dtype)
+        if mine != theirs:
+            raise ValueError(f"KV cache file {path!r} has a different preset, layout, batch size or dtype")
+        self.__dict__.update(other.__dict__)
+
+
+def _digest(tensors: dict[str, mx.array], meta: dict[str, str]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        a = tensors[name]
+        h.update(f"{name}:{a.shape}:{a.dtype}".encode())
+        h.update(np.asarray(a.reshape(-1).view(mx.uint8)).tobytes())
+    return h.hexdigest()
+
+
+def kv_write_target(kv: KvCacheManager, half: str, layer: int, position: int) -> KvTarget:
+    """Where `layer`'s finished K (half="k") or V ("v") rows at `position` go.
+
+    The cache slot on an FP16 layer; an FP16 staging row on a TurboQuant layer,
+    which `commit_kv` then quantizes into the slot.
+    """
+    if half not in HALVES:
+        raise ValueError(f"half must be 'k' or 'v', got {half!r}")
+    return KvTarget(kv, half, layer, position, staged=kv.is_staged(layer))
+
+
+def commit_kv(kv: KvCacheManager, layer: int, position: int, m: int) -> None:
+    """Make M written rows at `position` part of `layer`'s cache.
+
+    TurboQuant layer: K and V staging rows are quantized (M rows at once) into
+    packed codes + norms at `position`. Ring: the staged rows are copied in.
+    Growing FP16 layer: the rows are already in their slots; only the layer's
+    offset advances.
+    """
+    kv.commit(layer, position, m)
+
+
+def store_kv(kv: KvCacheManager, layer: int, position: int, keys: mx.array, values: mx.array) -> None:
+    """Write (B, H, M, D) keys and values at `position` and commit them."""
+    if keys.shape != values.shape:
+        raise ValueError(f"layer {layer}: keys {keys.shape} and values {values.shape} differ in shape")
+    kv._check_rows(layer, position, values)  # both halves valid before either is written
+    kv_write_target(kv, "k", layer, position).write(keys)
+    kv_write_target(kv, "v", layer, position).write(values)
+    commit_kv(kv, layer, position, keys.shape[2])

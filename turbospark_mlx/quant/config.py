@@ -1,0 +1,138 @@
+"""TurboQuant presets as data.
+
+A preset fixes the bits of each side (K and V), the rotation, the seed and a
+per-layer policy. The bytes a token costs follow from it exactly:
+
+    per side, per token, per KV head:
+        FP16 side:        2·d bytes
+        TurboQuant side:  4·packed_words(d, bits) bytes of codes + 4 bytes of norm
+
+Norms are float32: ||x|| of real keys can exceed fp16's 65504 (a peer bug), and
+4 bytes per vector is <7% of a 4-bit row at d = 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .packing import packed_words
+from .rotation import ROTATION_KINDS
+
+FP16_BITS = 16
+QUANT_BITS = (2, 3, 4, 8)
+NORM_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """A KV cache preset.
+
+    Attributes:
+        name: preset name ("tq4", "k8v4", ...).
+        k_bits: bits per key coordinate: 2, 3, 4 or 8, or 16 for an FP16 cache.
+        v_bits: bits per value coordinate, same choices.
+        rotation: "auto" (Hadamard for power-of-two head_dim, dense otherwise),
+            "hadamard" or "dense".
+        seed: base seed; each (layer, side) draws its own rotation from it.
+        fp16_first: the first N attention layers stay FP16.
+        fp16_last: the last N attention layers stay FP16.
+        fp16_layers: more layers, by index, that stay FP16.
+        quantize_layers: if set, exactly these layers are compressed (the
+            first/last rules then do not apply). Sliding-window layers are
+            always FP16 rings; naming one here is an error.
+    """
+
+    name: str
+    k_bits: int
+    v_bits: int
+    rotation: str = "auto"
+    seed: int = 0
+    fp16_first: int = 0
+    fp16_last: int = 0
+    fp16_layers: tuple[int, ...] = ()
+    quantize_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        is_fp16 = (self.k_bits, self.v_bits) == (FP16_BITS, FP16_BITS)
+        for side, bits in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if not is_fp16 and bits not in QUANT_BITS:
+                raise ValueError(
+                    f"preset {self.name!r}: {side}={bits} is not supported; "
+                    f"TurboQuant bits are {QUANT_BITS} (or 16 on both sides for FP16)"
+                )
+        if self.rotation not in ROTATION_KINDS:
+            raise ValueError(
+                f"preset {self.name!r}: unknown rotation {self.rotation!r}; valid: {ROTATION_KINDS}"
+            )
+        if min(self.fp16_first, self.fp16_last) < 0:
+            raise ValueError(f"preset {self.name!r}: fp16_first/fp16_last must be >= 0")
+        object.__setattr__(self, "fp16_layers", tuple(self.fp16_layers))
+        if self.quantize_layers is not None:
+            object.__setattr__(self, "quantize_layers", tuple(self.quantize_layers))
+
+    @property
+    def is_fp16(self) -> bool:
+        """True when no layer is compressed."""
+        return self.k_bits == FP16_BITS
+
+    def side_bytes_per_token(self, bits: int, head_dim: int) -> int:
+        if bits == FP16_BITS:
+            return 2 * head_dim
+        return 4 * packed_words(head_dim, bits) + NORM_BYTES
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        """K + V bytes of one token for one KV head of a compressed layer.
+
+        Codes (whole uint32 words) plus one float32 norm per side; an FP16
+        preset gives 4·head_dim.
+        """
+        return self.side_bytes_per_token(self.k_bits, head_dim) + self.side_bytes_per_token(
+            self.v_bits, head_dim
+        )
+
+    def ratio_vs_fp16(self, head_dim: int) -> float:
+        return self.bytes_per_token(head_dim) / (4 * head_dim)
+
+    def is_quantized_layer(self, layer: int, n_layers: int, sliding: bool = False) -> bool:
+        """Whether `layer` (of n_layers) is compressed under this preset's policy."""
+        if self.is_fp16:
+            return False
+        if self.quantize_layers is not None:
+            if layer in self.quantize_layers and sliding:
+                raise ValueError(
+                    f"preset {self.name!r} asks to compress layer {layer}, a sliding-window "
+                    "layer: sliding-window layers are FP16 rings and are never quantized"
+                )
+            return layer in self.quantize_layers
+        if sliding or layer in self.fp16_layers:
+            return False
+        return self.fp16_first <= layer < n_layers - self.fp16_last
+
+    def with_(self, **changes) -> "TurboQuantConfig":
+        """A copy with some fields changed (the name too, unless given)."""
+        changes.setdefault("name", f"{self.name}*")
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, TurboQuantConfig] = {
+    c.name: c
+    for c in (
+        TurboQuantConfig("fp16", FP16_BITS, FP16_BITS),
+        TurboQuantConfig("tq4", 4, 4),
+        TurboQuantConfig("tq3", 3, 3),
+        TurboQuantConfig("tq2", 2, 2),
+        TurboQuantConfig("k4v3", 4, 3),
+        TurboQuantConfig("k8v4", 8, 4),
+        TurboQuantConfig("k8v3", 8, 3),
+    )
+}
+
+
+def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
+    """Resolve a preset name (or pass a config through); unknown names list the valid ones."""
+    if isinstance(kv, TurboQuantConfig):
+        return kv
+    try:
+        return PRESETS[kv]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown KV preset {kv!r}; valid presets: {', '.join(PRESETS)}") from None
