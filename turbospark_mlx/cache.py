@@ -549,6 +549,14 @@ def _digest(tensors: dict[str, mx.array], meta: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def make_cache(model, kv: str | TurboQuantConfig = "tq4", **kwargs) -> KvCacheManager:
+    """A KvCacheManager laid out for `model` (anything with `kv_layer_specs()`).
+
+    kwargs go to KvCacheManager (batch_size, max_rows, max_context, dtype, step).
+    """
+    return KvCacheManager(model.kv_layer_specs(), kv, **kwargs)
+
+
 def kv_write_target(kv: KvCacheManager, half: str, layer: int, position: int) -> KvTarget:
     """Where `layer`'s finished K (half="k") or V ("v") rows at `position` go.
 

@@ -1,0 +1,51 @@
+"""Pieces every family file shares: config parsing and the cached-attention write path."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..attention import attention_any
+from ..cache import KvCacheManager, commit_kv, kv_write_target
+
+
+@dataclass
+class BaseModelArgs:
+    @classmethod
+    def from_dict(cls, params: dict):
+        """Build from an HF config dict, ignoring keys this family does not use."""
+        fields = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in fields})
+
+
+def cached_attention(
+    cache: KvCacheManager,
+    layer: int,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    position: int,
+    *,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """The write path of one attention block, for M rows at `position`.
+
+    keys/values are finished (k-norm and RoPE applied): they go to the slot or
+    the staging row, are committed (quantized on a TurboQuant layer), and the
+    queries attend over the cache. Shapes (B, H, M, D); returns (B, Hq, M, D).
+    """
+    kv_write_target(cache, "k", layer, position).write(keys)
+    kv_write_target(cache, "v", layer, position).write(values)
+    commit_kv(cache, layer, position, keys.shape[2])
+    return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks)
+
+
+def cache_for_call(model, cache: KvCacheManager | None, inputs: mx.array) -> KvCacheManager:
+    """The cache a forward pass uses: the caller's, or a fresh FP16 one sized for this call."""
+    if cache is not None:
+        return cache
+    B, L = inputs.shape[:2]
+    return KvCacheManager(model.kv_layer_specs(), "fp16", batch_size=B, max_rows=L, step=L)
