@@ -1,23 +1,30 @@
-// CUDA prelude of the shared kernel dialect (see turbospark_mlx/_kernels.py).
-// Same helper names as prelude_metal.h. Passed to mx.fast.cuda_kernel as `header`.
+// CUDA prelude of the shared kernel dialect (see turbospark_mlx/kernel_build.py).
+// Same names as prelude_metal.h. Passed to mx.fast.cuda_kernel as `header`.
+// Thread and group indices (TS_TID, TS_GROUP_X, ...) are not macros: the loader
+// substitutes them textually, because MLX's Metal side scans the body text for
+// attribute names to build the kernel signature.
 #pragma once
 
-#define TS_DEVICE
 #define TS_SHARED __shared__
+#define TS_SPTR
+#define TS_GPTR
+#define TS_TPTR
+#define TS_FUNC __device__ __forceinline__
 #define TS_BARRIER() __syncthreads()
+#define TS_NEG_INF (__int_as_float(0xff800000))
 typedef unsigned int uint;
 
-// Index `slot` of a packed word holding 32/width indices of `width` bits.
-__device__ inline uint ts_field(uint word, uint slot, uint width) {
-  return (word >> (slot * width)) & ((1u << width) - 1u);
-}
+TS_FUNC float ts_exp(float x) { return expf(x); }
+TS_FUNC float ts_sqrt(float x) { return sqrtf(x); }
+TS_FUNC float ts_max(float a, float b) { return fmaxf(a, b); }
 
 // A warp is the SIMD group: 32 lanes on NVIDIA, as on Apple GPUs.
-__device__ inline float ts_simd_sum(float x) {
+TS_FUNC float ts_simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
-__device__ inline float ts_simd_max(float x) {
+TS_FUNC float ts_simd_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+TS_FUNC float ts_shuffle_xor(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }

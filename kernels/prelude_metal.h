@@ -1,18 +1,22 @@
-// Metal prelude of the shared kernel dialect (see turbospark_mlx/_kernels.py).
+// Metal prelude of the shared kernel dialect (see turbospark_mlx/kernel_build.py).
 // Kernel bodies are written once; this header and prelude_cuda.h give the
-// same helper names on each backend. Passed to mx.fast.metal_kernel as `header`.
+// same names on each backend. Passed to mx.fast.metal_kernel as `header`.
 #pragma once
 #include <metal_stdlib>
 using namespace metal;
 
-#define TS_DEVICE device
 #define TS_SHARED threadgroup
+#define TS_SPTR threadgroup
+#define TS_GPTR device
+#define TS_TPTR thread
+#define TS_FUNC inline
 #define TS_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define TS_NEG_INF (-INFINITY)
 
-// Index `slot` of a packed word holding 32/width indices of `width` bits.
-inline uint ts_field(uint word, uint slot, uint width) {
-  return (word >> (slot * width)) & ((1u << width) - 1u);
-}
+TS_FUNC float ts_exp(float x) { return metal::exp(x); }
+TS_FUNC float ts_sqrt(float x) { return metal::sqrt(x); }
+TS_FUNC float ts_max(float a, float b) { return metal::fmax(a, b); }
 
-inline float ts_simd_sum(float x) { return simd_sum(x); }
-inline float ts_simd_max(float x) { return simd_max(x); }
+TS_FUNC float ts_simd_sum(float x) { return simd_sum(x); }
+TS_FUNC float ts_simd_max(float x) { return simd_max(x); }
+TS_FUNC float ts_shuffle_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import backend as _backend
 from .cache import KvCacheManager
 from .quant.turboquant import LayerQuant, dequantize_rotated_ref
+from .tq_kernels import tq_decode_attention, tq_decode_unsupported
 
 
 def attention_mask(
@@ -158,6 +160,21 @@ def attention_any(
     q_pos = mx.arange(position, end)
 
     if quant is not None:
+        backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
+        if backend != "reference":
+            return tq_decode_attention(
+                queries,
+                arrays["k_codes"],
+                arrays["k_norms"],
+                arrays["v_codes"],
+                arrays["v_norms"],
+                quant,
+                scale=scale,
+                position=position,
+                kv_start=kv_start,
+                sinks=sinks,
+                backend=backend,
+            )
         mask = attention_mask(mx.arange(end), q_pos, kv_start)
         return tq_attention_ref(
             queries,

@@ -32,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from .quant.config import TurboQuantConfig, get_preset
-from .quant.turboquant import LayerQuant, quantize_ref, side_quant
+from .quant.turboquant import LayerQuant, side_quant
+from .tq_kernels import tq_quantize
 
 HALVES = ("k", "v")
 FILE_FORMAT = "turbospark-kv/1"
@@ -415,7 +416,7 @@ class KvCacheManager:
                 if l.quant is None:  # ring: copy the FP16 rows in
                     rows["keys" if half == "k" else "values"] = buf[half][:, :, :m]
                 else:
-                    codes, norms = quantize_ref(buf[half][:, :, :m], l.quant.side(half))
+                    codes, norms = tq_quantize(buf[half][:, :, :m], l.quant.side(half))
                     rows[f"{half}_codes"], rows[f"{half}_norms"] = codes, norms
             self._reserve(l, position + m)
             for name, r in rows.items():

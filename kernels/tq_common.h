@@ -1,0 +1,80 @@
+// Packed-code helpers shared by the TurboQuant kernels, written in the dialect
+// (TS_* names come from the backend prelude). Layout: turbospark_mlx/quant/packing.py:
+// 1/2/4/8 bits in one plane; 3 bits = a 2-bit plane then a 1-bit plane; word w of a
+// plane of width b holds coordinates [w*32/b, (w+1)*32/b), lowest bits first.
+
+// N consecutive words from src into out; src is aligned to VEC words (1, 2 or 4),
+// so the loads are as wide as the alignment allows.
+template <int N, int VEC, typename P>
+TS_FUNC void ts_load_words(P src, TS_TPTR uint* out) {
+  if (VEC >= 4 && N % 4 == 0) {
+    for (int i = 0; i < N / 4; i++) {
+      const uint4 v = ((const TS_GPTR uint4*)src)[i];
+      out[4 * i] = v.x;
+      out[4 * i + 1] = v.y;
+      out[4 * i + 2] = v.z;
+      out[4 * i + 3] = v.w;
+    }
+  } else if (VEC >= 2 && N % 2 == 0) {
+    for (int i = 0; i < N / 2; i++) {
+      const uint2 v = ((const TS_GPTR uint2*)src)[i];
+      out[2 * i] = v.x;
+      out[2 * i + 1] = v.y;
+    }
+  } else {
+    for (int i = 0; i < N; i++) out[i] = src[i];
+  }
+}
+
+// The BITS words (3 for 3-bit: two of the low plane, one of the high plane) that
+// hold coordinates [32*blk, 32*blk + 32) of one packed vector of DIM coordinates.
+// VEC: the alignment, in words, of `codes` (the row's word count is a multiple of it).
+template <int BITS, int DIM, int VEC, typename P>
+TS_FUNC void ts_block_words(P codes, int blk, TS_TPTR uint* words) {
+  if (BITS == 3) {
+    constexpr int W0 = (DIM + 15) / 16;  // words of the 2-bit plane
+    ts_load_words<2, (VEC < 2 ? VEC : 2)>(codes + 2 * blk, words);
+    words[2] = codes[W0 + blk];
+  } else {
+    ts_load_words<BITS, (VEC < BITS ? VEC : BITS)>(codes + BITS * blk, words);
+  }
+}
+
+// Indices of coordinates [8c, 8c + 8) of a 32-coordinate block from its words.
+template <int BITS>
+TS_FUNC void ts_block_unpack8(TS_TPTR const uint* words, int c, TS_TPTR uint* idx) {
+  if (BITS == 3) {
+    const uint lo = words[c / 2] >> ((c % 2) * 16);
+    const uint hi = words[2] >> (c * 8);
+    for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
+  } else if (BITS == 8) {
+    for (int e = 0; e < 4; e++) {
+      idx[e] = (words[2 * c] >> (8 * e)) & 255u;
+      idx[e + 4] = (words[2 * c + 1] >> (8 * e)) & 255u;
+    }
+  } else {
+    const uint w = words[(8 * c * BITS) / 32] >> ((8 * c * BITS) % 32);
+    for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
+  }
+}
+
+// Indices of coordinates [8c, 8c + 8) straight from a packed vector in memory.
+template <int BITS, int DIM, typename P>
+TS_FUNC void ts_unpack8(P codes, int c, TS_TPTR uint* idx) {
+  if (BITS == 3) {
+    constexpr int W0 = (DIM + 15) / 16;
+    const uint lo = codes[c / 2] >> ((c % 2) * 16);
+    const uint hi = codes[W0 + c / 4] >> ((c % 4) * 8);
+    for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
+  } else if (BITS == 8) {
+    const uint w0 = codes[2 * c];
+    const uint w1 = codes[2 * c + 1];
+    for (int e = 0; e < 4; e++) {
+      idx[e] = (w0 >> (8 * e)) & 255u;
+      idx[e + 4] = (w1 >> (8 * e)) & 255u;
+    }
+  } else {
+    const uint w = codes[(8 * c * BITS) / 32] >> ((8 * c * BITS) % 32);
+    for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
+  }
+}

@@ -1,0 +1,175 @@
+"""CPU checks of the kernel dialect and the Metal compile check (no GPU needed).
+
+The Metal check compiles the exact source MLX's `metal_kernel` would build for
+every kernel variant the package can launch (generated signature + body + the
+explicit template instantiation) with clang against tests/metal_shim, so a Metal
+syntax or type error fails CI. CI (.ci/run) installs clang and sets
+TURBOSPARK_METAL_CHECK=1, which turns a missing clang into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from turbospark_mlx import _kernels, kernel_build
+from turbospark_mlx.kernel_build import ArgInfo, metal_source, render
+from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
+from turbospark_mlx.tq_kernels import decode_plan
+
+SHIM = Path(__file__).resolve().parent / "metal_shim"
+BITS = (1, 2, 3, 4, 8)
+HEAD_DIMS = (64, 96, 128, 256, 512)
+
+
+def _clang() -> str:
+    for name in ("clang", "clang-14", "clang-15", "clang-16"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("TURBOSPARK_METAL_CHECK"):
+        pytest.fail("the Metal compile check needs clang (apt-get install clang)")
+    pytest.skip("the Metal compile check needs clang (apt-get install clang)")
+
+
+def _quant(kb: int, vb: int, d: int) -> LayerQuant:
+    rot = "auto"
+    return LayerQuant(0, side_quant(kb, d, rot, 0, 0, "k"), side_quant(vb, d, rot, 0, 0, "v"))
+
+
+def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
+    """(inputs, output dtypes, template) of every launch shape the package makes, per op."""
+    f32, u32, i32 = mx.float32, mx.uint32, mx.int32
+    out: dict[str, list] = {"tq_quantize": [], "tq_decode_attention": [], "tq_decode_reduce": []}
+    for d in HEAD_DIMS:
+        for bits in BITS:
+            side = side_quant(bits, d, "auto", 0, 0, "k")
+            for dt in (mx.float16, mx.bfloat16, mx.float32):
+                out["tq_quantize"].append(
+                    (
+                        [ArgInfo(dt, 2, 4 * d), ArgInfo(f32, 2, 4 * d), ArgInfo(f32, 1, max(8, 2**bits - 1))],
+                        [u32, f32],
+                        [("T", dt), ("D", d), ("BITS", bits), ("W", side.words)],
+                    )
+                )
+    seen = set()
+    for d in HEAD_DIMS:
+        for kb in BITS:
+            for vb in BITS:
+                q = _quant(kb, vb, d)
+                for g, m in ((1, 1), (4, 1), (8, 1), (4, 3), (2, 5)):
+                    for end in (100, 1 << 17):
+                        plan = decode_plan(q, g, m, d, 8, end)
+                        if plan is None:
+                            continue
+                        key = tuple(v for _, v in plan["template"])
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        cap = 4096
+                        ins = [
+                            ArgInfo(f32, 4, 8 * g * m * d),
+                            ArgInfo(u32, 4, 8 * cap * q.k.words),
+                            ArgInfo(f32, 3, 8 * cap),
+                            ArgInfo(u32, 4, 8 * cap * q.v.words),
+                            ArgInfo(f32, 3, 8 * cap),
+                            ArgInfo(f32, 1, max(8, 2**kb)),
+                            ArgInfo(f32, 1, max(8, 2**vb)),
+                            ArgInfo(i32, 1, 8),
+                            ArgInfo(i32, 1, 5),
+                            ArgInfo(f32, 1, 1),
+                        ]
+                        out["tq_decode_attention"].append((ins, [f32, f32], plan["template"]))
+                        R, RP = plan["R"], plan["RP"]
+                        for sink in (False, True):
+                            out["tq_decode_reduce"].append(
+                                (
+                                    [ArgInfo(f32, 3, 64 * R * d), ArgInfo(f32, 3, 64 * RP * 2), ArgInfo(f32, 1, 8),
+                                     ArgInfo(i32, 1, 2)],
+                                    [f32],
+                                    [("D", d), ("G", g), ("M", m), ("R", R), ("RP", RP),
+                                     ("NTR", min(256, d)), ("HAS_SINK", sink)],
+                                )
+                            )
+    return out
+
+
+def _translation_unit(op: str, variants) -> str:
+    """All variants of one op in one translation unit: the header once, each kernel after it."""
+    header, _ = render(op, "metal")
+    parts = []
+    names = set()
+    for ins, outs, template in variants:
+        name, src = metal_source(op, ins, outs, template)
+        if name in names:
+            continue
+        names.add(name)
+        assert src.startswith(header)
+        parts.append(src[len(header) :])
+    # Attributes on an explicit instantiation are Metal-only: strip them for clang.
+    body = re.sub(r"template \[\[host_name\(\"[^\"]*\"\)\]\] \[\[kernel\]\] ", "template ", "\n".join(parts))
+    return header + "\n" + body
+
+
+def _compile(source: str, tmp_path: Path, name: str) -> subprocess.CompletedProcess:
+    path = tmp_path / f"{name}.metal.cpp"
+    path.write_text(source)
+    return subprocess.run(
+        [_clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes", "-ferror-limit=5",
+         f"-I{SHIM}", str(path)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_dialect_tokens_substituted_textually():
+    for op in kernel_build.SPECS:
+        for backend in ("metal", "cuda"):
+            header, body = render(op, backend)
+            assert not re.search(r"\bTS_(TID|GROUP_X|GROUP_Y|LANE)\b", body), (op, backend)
+            assert "TS_SHARED" in header and "ts_simd_sum" in header
+        # MLX finds Metal attributes by scanning the body, so they must be there literally.
+        _, metal_body = render(op, "metal")
+        assert "thread_position_in_threadgroup" in metal_body
+        _, cuda_body = render(op, "cuda")
+        assert "threadIdx.x" in cuda_body and "thread_position" not in cuda_body
+
+
+def test_metal_source_matches_mlx_signature_rules():
+    ins = [ArgInfo(mx.float16, 2, 512), ArgInfo(mx.float32, 2, 512), ArgInfo(mx.float32, 1, 3)]
+    name, src = metal_source("tq_quantize", ins, [mx.uint32, mx.float32], [("T", mx.float16), ("D", 128)])
+    assert name == "custom_kernel_turbospark_tq_quantize__float16_t_128_float16_t_float_floatc_uint32_t_float"
+    assert "template <typename T, int D>" in src
+    assert "const device float16_t* x [[buffer(0)]]" in src
+    assert "const constant float* bnd [[buffer(2)]]" in src  # < 8 elements: constant space
+    assert "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]" in src
+    assert f'decltype({name}<float16_t, 128>) {name}<float16_t, 128>;' in src
+
+
+@pytest.mark.parametrize("op", sorted(kernel_build.SPECS))
+def test_metal_kernels_compile_through_shim(op, tmp_path):
+    variants = _variants()[op]
+    assert variants
+    result = _compile(_translation_unit(op, variants), tmp_path, op)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
+    original = _kernels.kernel_source.__wrapped__
+
+    def planted(name: str) -> str:
+        text = original(name)
+        if name == "tq_decode_reduce.kernel":
+            text = text.replace("float den =", "flaot den =")  # a one-letter typo
+        return text
+
+    monkeypatch.setattr(kernel_build, "kernel_source", planted)
+    result = _compile(_translation_unit("tq_decode_reduce", _variants()["tq_decode_reduce"][:2]), tmp_path, "bad")
+    assert result.returncode != 0
+    assert "flaot" in result.stderr

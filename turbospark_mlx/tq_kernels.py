@@ -1,0 +1,266 @@
+"""TurboQuant hot paths on the GPU kernels, with their `_ref` beside them.
+
+* `tq_quantize(x, side)`: the commit's quantize step (rotate, norms, Lloyd-Max
+  cell, pack) -> `kernels/tq_quantize.kernel`; `quantize_ref` is its oracle.
+* `tq_decode_attention(...)`: M query rows over a packed cache ->
+  `kernels/tq_decode_attention.kernel` (flash-decoding tiles) +
+  `kernels/tq_decode_reduce.kernel`; `attention.tq_attention_ref` is its oracle.
+  The query is rotated once per call and the output rotated back once, with mx
+  ops (Hadamard or a dense matmul) outside the kernels.
+
+`*_unsupported` say why a kernel cannot serve a configuration (None: it can);
+`backend.resolve` turns that into an error or a warned fallback, never a silent one.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+
+from . import backend as _backend
+from .kernel_build import get_kernel
+from .quant.packing import PLANES
+from .quant.turboquant import LayerQuant, SideQuant, quantize_ref
+
+# Threadgroup memory budget of one decode threadgroup (Metal allows 32 KiB in all).
+SHARED_BUDGET = 28 * 1024
+# Enough threadgroups to fill a large GPU (132 SMs on an H200) a couple of times over.
+TARGET_GROUPS = 512
+
+_tables: "weakref.WeakKeyDictionary[SideQuant, dict[str, mx.array]]" = weakref.WeakKeyDictionary()
+
+
+def _padded(side: SideQuant, name: str) -> mx.array:
+    """side.centroids / side.boundaries padded to >= 8 entries, so Metal always passes them in
+    `device` space (MLX puts inputs of < 8 elements in `constant` space: another signature)."""
+    cache = _tables.setdefault(side, {})
+    if name not in cache:
+        a = getattr(side, name).astype(mx.float32)
+        if a.size < 8:
+            a = mx.concatenate([a, mx.zeros((8 - a.size,), mx.float32)])
+        mx.eval(a)
+        cache[name] = a
+    return cache[name]
+
+
+def _bits_reason(side: SideQuant, what: str) -> str | None:
+    if side.bits not in PLANES:
+        return f"{what} bits {side.bits} have no kernel (kernels cover {sorted(PLANES)})"
+    return None
+
+
+# -- commit: quantize M rows ------------------------------------------------
+
+
+def tq_quantize_unsupported(x: mx.array, side: SideQuant) -> str | None:
+    """Why the quantize kernel cannot serve these rows, or None."""
+    if x.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"rows of dtype {x.dtype} (kernels take float16, bfloat16, float32)"
+    return _bits_reason(side, "code")
+
+
+def tq_quantize(x: mx.array, side: SideQuant, backend: str | None = None) -> tuple[mx.array, mx.array]:
+    """(..., d) rows -> ((..., words) uint32 codes, (...,) float32 norms), as `quantize_ref`.
+
+    On a kernel backend the codes equal `quantize_ref`'s except where a rotated
+    coordinate lies within float32 rounding of a cell boundary (the kernel divides
+    Πx by ||x|| where the reference rotates x/||x||).
+    """
+    if backend is None:
+        backend = _backend.resolve(tq_quantize_unsupported(x, side))
+    if backend == "reference":
+        return quantize_ref(x, side)
+    lead = x.shape[:-1]
+    d = x.shape[-1]
+    rows = 1
+    for n in lead:
+        rows *= n
+    x2 = x.reshape(rows, d)
+    xr = side.rotation.apply(x2)  # Πx in float32, once for all rows
+    codes, norms = get_kernel("tq_quantize", backend)(
+        inputs=[x2, xr, _padded(side, "boundaries")],
+        template=[("T", x.dtype), ("D", d), ("BITS", side.bits), ("W", side.words)],
+        grid=(32 * rows, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(rows, side.words), (rows,)],
+        output_dtypes=[mx.uint32, mx.float32],
+    )
+    return codes.reshape(*lead, side.words), norms.reshape(lead)
+
+
+# -- decode attention ---------------------------------------------------------
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def decode_plan(
+    quant: LayerQuant, group: int, rows: int, head_dim: int, n_seq_heads: int, end: int
+) -> dict | None:
+    """Template values and launch shape for one decode call (rows = M query rows per head),
+    or None when that many rows do not fit threadgroup memory.
+
+    Picks the threads per group NT and keys per thread TT: as many keys per group
+    as threadgroup memory allows while still giving ~TARGET_GROUPS groups.
+    """
+    R = group * rows
+    RP = -(-R // 4) * 4
+    D = head_dim
+    plan = None
+    for NT, TT in ((256, 4), (256, 2), (256, 1), (128, 1), (64, 1)):
+        if NT < D // 8 or NT < RP:
+            continue
+        shared = 4 * (D * RP + NT * TT * RP + (NT // 32) * RP + RP) + 4 * (2**quant.k.bits + 2**quant.v.bits)
+        if shared > SHARED_BUDGET or TT * (3 if quant.k.bits == 3 else quant.k.bits) > 32:
+            continue
+        tiles = -(-end // (NT * TT))
+        plan = (NT, TT, tiles)
+        if n_seq_heads * tiles >= TARGET_GROUPS:
+            break
+    if plan is None:
+        return None
+    NT, TT, tiles = plan
+    KW, VW = quant.k.words, quant.v.words
+    kvec = 4 if KW % 4 == 0 else 2 if KW % 2 == 0 else 1
+    return dict(
+        template=[
+            ("D", D),
+            ("KB", quant.k.bits),
+            ("VB", quant.v.bits),
+            ("KW", KW),
+            ("VW", VW),
+            ("KVEC", kvec),
+            ("G", group),
+            ("M", rows),
+            ("R", R),
+            ("RP", RP),
+            ("NT", NT),
+            ("TT", TT),
+            ("NS", min(32, _pow2_floor(NT // (D // 8)))),
+            ("RV", 8 if RP % 8 == 0 else 4),
+        ],
+        NT=NT,
+        tiles=tiles,
+        RP=RP,
+        R=R,
+    )
+
+
+def tq_decode_unsupported(quant: LayerQuant, group: int, head_dim: int) -> str | None:
+    """Why the decode kernels cannot serve this layer shape, or None."""
+    for side, what in ((quant.k, "K"), (quant.v, "V")):
+        reason = _bits_reason(side, what)
+        if reason:
+            return reason
+    if head_dim % 32:
+        return f"head_dim {head_dim} is not a multiple of 32"
+    if head_dim // 8 > 256:
+        return f"head_dim {head_dim} is above 2048"
+    if decode_plan(quant, group, 1, head_dim, 1, 1) is None:
+        return f"{group} query heads per KV head at head_dim {head_dim} do not fit threadgroup memory"
+    return None
+
+
+def _rows_per_call(quant: LayerQuant, group: int, head_dim: int, m: int) -> int:
+    """Query rows per kernel call so that the rows' queries fit threadgroup memory."""
+    per = 1
+    while per < m and decode_plan(quant, group, per + 1, head_dim, 1, 1) is not None:
+        per += 1
+    return per
+
+
+def tq_decode_attention(
+    queries: mx.array,
+    k_codes: mx.array,
+    k_norms: mx.array,
+    v_codes: mx.array,
+    v_norms: mx.array,
+    quant: LayerQuant,
+    *,
+    scale: float,
+    position: int,
+    kv_start: int | mx.array = 0,
+    sinks: mx.array | None = None,
+    backend: str,
+) -> mx.array:
+    """M query rows at positions [position, position + M) over a packed cache, causally.
+
+    Args:
+        queries: (B, Hq, M, D).
+        k_codes, v_codes: (B, Hkv, cap, words) uint32 storage (the whole buffer:
+            slots past position + M - 1 are never read).
+        k_norms, v_norms: (B, Hkv, cap) float32.
+        quant: the layer's K and V tables.
+        kv_start: keys before it are ignored; int or (B,) int array.
+        sinks: (Hq,) sink logits or None.
+        backend: "metal" or "cuda".
+    Returns:
+        (B, Hq, M, D) in the queries' dtype.
+    """
+    B, Hq, M, D = queries.shape
+    Hkv = k_codes.shape[1]
+    G = Hq // Hkv
+    per = _rows_per_call(quant, G, D, M)
+    if per < M:  # too many query rows for one call's threadgroup memory: split them
+        outs = [
+            tq_decode_attention(
+                queries[:, :, m0 : m0 + per],
+                k_codes,
+                k_norms,
+                v_codes,
+                v_norms,
+                quant,
+                scale=scale,
+                position=position + m0,
+                kv_start=kv_start,
+                sinks=sinks,
+                backend=backend,
+            )
+            for m0 in range(0, M, per)
+        ]
+        return mx.concatenate(outs, axis=2)
+
+    end = position + M
+    cap = k_codes.shape[2]
+    plan = decode_plan(quant, G, M, D, B * Hkv, end)
+    tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
+    q_rot = quant.k.rotation.apply(queries)  # q' = Π_K q, float32, once per step
+    starts = mx.broadcast_to(mx.array(kv_start, dtype=mx.int32).reshape(-1), (B,))
+    if B < 8:
+        starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
+    prm = mx.array([cap, end, position, Hkv, tiles], dtype=mx.int32)
+    part_o, part_ms = get_kernel("tq_decode_attention", backend)(
+        inputs=[
+            q_rot,
+            k_codes,
+            k_norms,
+            v_codes,
+            v_norms,
+            _padded(quant.k, "centroids"),
+            _padded(quant.v, "centroids"),
+            starts,
+            prm,
+            mx.array([scale], dtype=mx.float32),
+        ],
+        template=plan["template"],
+        grid=(NT * tiles, B * Hkv, 1),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(B * Hkv * tiles, R, D), (B * Hkv * tiles, RP, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    has_sink = sinks is not None
+    sink_arr = sinks.astype(mx.float32) if has_sink else mx.zeros((8,), mx.float32)
+    if sink_arr.size < 8:
+        sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
+    ntr = min(256, -(-D // 32) * 32)
+    (out_rot,) = get_kernel("tq_decode_reduce", backend)(
+        inputs=[part_o, part_ms, sink_arr, mx.array([Hkv, tiles], dtype=mx.int32)],
+        template=[("D", D), ("G", G), ("M", M), ("R", R), ("RP", RP), ("NTR", ntr), ("HAS_SINK", has_sink)],
+        grid=(ntr * B * Hq * M, 1, 1),
+        threadgroup=(ntr, 1, 1),
+        output_shapes=[(B, Hq, M, D)],
+        output_dtypes=[mx.float32],
+    )
+    return quant.v.rotation.invert(out_rot).astype(queries.dtype)  # o = Π_Vᵀ o', once per step
