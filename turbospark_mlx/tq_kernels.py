@@ -227,7 +227,8 @@ def tq_decode_attention(
     plan = decode_plan(quant, G, M, D, B * Hkv, end)
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
     q_rot = quant.k.rotation.apply(queries)  # q' = Π_K q, float32, once per step
-    starts = mx.broadcast_to(mx.array(kv_start, dtype=mx.int32).reshape(-1), (B,))
+    starts = kv_start if isinstance(kv_start, mx.array) else mx.array(kv_start)
+    starts = mx.broadcast_to(starts.astype(mx.int32).reshape(-1), (B,))
     if B < 8:
         starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
     prm = mx.array([cap, end, position, Hkv, tiles], dtype=mx.int32)

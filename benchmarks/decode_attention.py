@@ -1,0 +1,263 @@
+"""Decode attention on one GPU: TurboQuant kernels vs FP16 SDPA vs mlx-lm-style affine attention.
+
+One run measures, for each shape and context:
+  * amortized time: N calls chained (each call's output is the next call's query)
+    inside one mx.eval, divided by N, as a decode step inside a model graph sees
+    it (one mx.eval costs ~40 us on MLX CUDA, which would swamp one kernel);
+  * single-eval time: one call per mx.eval (median);
+  * bytes each method must read and the GB/s that implies, next to the copy
+    bandwidth measured in the same run;
+  * the commit (quantize) kernel's time per decode step (K and V of one token);
+  * peak memory of one decode step above what is resident before it.
+Writes <out>/decode_attention.json and .md.
+
+    python benchmarks/decode_attention.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from turbospark_mlx.attention import attention_mask  # noqa: E402
+from turbospark_mlx.backend import auto_backend  # noqa: E402
+from turbospark_mlx.quant.turboquant import LayerQuant, side_quant  # noqa: E402
+from turbospark_mlx.tq_kernels import decode_plan, tq_decode_attention, tq_quantize  # noqa: E402
+
+PRESETS = {"tq4": (4, 4), "tq3": (3, 3), "k8v4": (8, 4)}
+
+
+def timed(fn, q0, n_chain: int, repeats: int = 7) -> tuple[float, float]:
+    """(amortized seconds per call over n_chain chained calls, median single-eval seconds)."""
+    mx.eval(fn(q0))
+    mx.eval(fn(q0))
+    amort = []
+    for _ in range(repeats):
+        q = q0
+        mx.synchronize()
+        t = time.perf_counter()
+        for _ in range(n_chain):
+            q = fn(q)
+        mx.eval(q)
+        mx.synchronize()
+        amort.append((time.perf_counter() - t) / n_chain)
+    single = []
+    for _ in range(3 * repeats):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(fn(q0))
+        mx.synchronize()
+        single.append(time.perf_counter() - t)
+    return statistics.median(amort), statistics.median(single)
+
+
+def _random_words(shape) -> mx.array:
+    """Uniformly random uint32 words (two 16-bit halves)."""
+    lo = mx.random.randint(0, 1 << 16, shape).astype(mx.uint32)
+    hi = mx.random.randint(0, 1 << 16, shape).astype(mx.uint32)
+    return lo | (hi << 16)
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    """Bytes read + written per second of a large elementwise copy (x + 1 on float16)."""
+    a = mx.random.normal((n_bytes // 2,)).astype(mx.float16)
+    mx.eval(a)
+    amort, _ = timed(lambda x: x + 1, a, 10, repeats=5)
+    return 2 * n_bytes / amort
+
+
+def peak_extra(fn, q) -> int:
+    """Peak memory of one call above the memory resident before it."""
+    mx.eval(fn(q))
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(fn(q))
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
+    G = Hq // Hkv
+    scale = D**-0.5
+    for L in contexts:
+        row = {"shape": name, "B": 1, "Hq": Hq, "Hkv": Hkv, "D": D, "context": L, "methods": {}}
+        q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
+        k = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
+        v = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
+        mx.eval(q0, k, v)
+
+        def rec(method, fn, q, nbytes, peak=True):
+            amort, single = timed(fn, q, n_chain)
+            row["methods"][method] = {
+                "amortized_us": amort * 1e6,
+                "single_eval_us": single * 1e6,
+                "bytes": nbytes,
+                "GBps": nbytes / amort / 1e9,
+                "peak_extra_MB": peak_extra(fn, q) / 2**20 if peak else None,
+            }
+
+        rec("fp16_sdpa", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), q0, 2 * k.nbytes)
+        # kv_start / ring layers: SDPA with a boolean mask (what attention_any uses on FP16 layers).
+        mask = attention_mask(mx.arange(L), mx.arange(L - 1, L), 7)
+        rec(
+            "fp16_sdpa_mask",
+            lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
+            q0,
+            2 * k.nbytes,
+            peak=False,
+        )
+        for bits in (4, 8):
+            kq = mx.quantize(k, group_size=64, bits=bits)
+            vq = mx.quantize(v, group_size=64, bits=bits)
+            mx.eval(kq, vq)
+            nbytes = sum(a.nbytes for a in (*kq, *vq))
+
+            def affine(q, kq=kq, vq=vq, bits=bits):
+                qs = (q * scale).reshape(1, Hkv, G, D)  # GQA rows folded into the matmul rows
+                s = mx.quantized_matmul(qs, *kq, transpose=True, group_size=64, bits=bits)
+                p = mx.softmax(s.astype(mx.float32), axis=-1, precise=True).astype(q.dtype)
+                o = mx.quantized_matmul(p, *vq, transpose=False, group_size=64, bits=bits)
+                return o.reshape(1, Hq, 1, D)
+
+            try:
+                rec(f"affine{bits}_mlx_lm_style", affine, q0, nbytes)
+            except Exception as e:  # report, do not hide
+                row["methods"][f"affine{bits}_mlx_lm_style"] = {"error": str(e)[:200]}
+            del kq, vq
+        for preset, (kb, vb) in PRESETS.items():
+            quant = LayerQuant(0, side_quant(kb, D, "auto", 0, 0, "k"), side_quant(vb, D, "auto", 0, 0, "v"))
+            # Random codes: every bit pattern is a valid index (never time on zeros).
+            kc, vc = (_random_words((1, Hkv, L, w)) for w in (quant.k.words, quant.v.words))
+            kn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
+            vn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
+            mx.eval(kc, vc, kn, vn)
+            nbytes = sum(a.nbytes for a in (kc, vc, kn, vn))
+            backend = auto_backend()
+
+            def tq(q, quant=quant, kc=kc, vc=vc, kn=kn, vn=vn):
+                return tq_decode_attention(
+                    q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend
+                )
+
+            rec(f"{preset}_kernel", tq, q0, nbytes)
+            plan = decode_plan(quant, G, 1, D, Hkv, L)
+            row["methods"][f"{preset}_kernel"]["plan"] = {n: v for n, v in plan["template"] if n in ("NT", "TT")}
+            row["methods"][f"{preset}_kernel"]["tiles"] = plan["tiles"]
+            if L == contexts[0]:
+                # Commit of one decode step: K and V rows of one token, all KV heads.
+                x = mx.random.normal((1, Hkv, 1, D)).astype(mx.float16)
+
+                def commit(x, quant=quant):
+                    kcodes, kn_ = tq_quantize(x, quant.k, backend=backend)
+                    vcodes, vn_ = tq_quantize(x, quant.v, backend=backend)
+                    # chain: next input depends on this commit's outputs
+                    return x + (kn_[..., None] + vn_[..., None]).astype(x.dtype) * 0 + (
+                        (kcodes[..., :1] + vcodes[..., :1]) & 0
+                    ).astype(x.dtype)
+
+                amort, single = timed(commit, x, n_chain)
+                row.setdefault("commit", {})[preset] = {"amortized_us": amort * 1e6, "single_eval_us": single * 1e6}
+            del kc, vc, kn, vn
+        fp16 = row["methods"]["fp16_sdpa"]["amortized_us"]
+        for m in row["methods"].values():
+            if "amortized_us" in m:
+                m["vs_fp16_sdpa"] = m["amortized_us"] / fp16
+        a4 = row["methods"].get("affine4_mlx_lm_style", {}).get("amortized_us")
+        if a4:
+            for p in PRESETS:
+                row["methods"][f"{p}_kernel"]["speedup_vs_affine4"] = a4 / row["methods"][f"{p}_kernel"]["amortized_us"]
+        results.append(row)
+        print(json.dumps({"shape": name, "L": L, **{k: round(v.get("amortized_us", -1), 1) for k, v in row["methods"].items()}}), flush=True)
+        del k, v
+
+
+def markdown(meta, rows) -> str:
+    lines = [
+        "# Decode attention benchmark",
+        "",
+        f"Machine: {meta['device']}; MLX {meta['mlx']}; backend {meta['backend']}; {meta['date']}.",
+        f"Copy bandwidth measured in this run: {meta['copy_GBps']:.0f} GB/s (read + write of a 2 GiB float16 `x + 1`).",
+        f"Amortized = {meta['n_chain']} calls chained in one `mx.eval`, divided by {meta['n_chain']}; single = one call per eval (median).",
+        f"Command: `{meta['command']}`",
+        "",
+        "| shape | context | method | amortized us | single-eval us | MB read | GB/s | x FP16 SDPA | peak extra MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, m in r["methods"].items():
+            if "error" in m:
+                lines.append(f"| {r['shape']} | {r['context']} | {name} | error: {m['error']} | | | | | |")
+                continue
+            peak = "" if m.get("peak_extra_MB") is None else f"{m['peak_extra_MB']:.1f}"
+            lines.append(
+                f"| {r['shape']} | {r['context']} | {name} | {m['amortized_us']:.1f} | {m['single_eval_us']:.1f} | "
+                f"{m['bytes'] / 1e6:.1f} | {m['GBps']:.0f} | {m['vs_fp16_sdpa']:.2f} | {peak} |"
+            )
+    lines += ["", "Commit (tq_quantize of one token's K and V, all KV heads), per decode step:", ""]
+    lines += ["| shape | preset | amortized us | single-eval us |", "|---|---|---|---|"]
+    for r in rows:
+        for p, c in r.get("commit", {}).items():
+            lines.append(f"| {r['shape']} | {p} | {c['amortized_us']:.1f} | {c['single_eval_us']:.1f} |")
+    lines += ["", "Speed-up of the TurboQuant kernels over mlx-lm-style affine 4-bit attention:", ""]
+    for r in rows:
+        s = ", ".join(
+            f"{p} {r['methods'][f'{p}_kernel'].get('speedup_vs_affine4', float('nan')):.2f}x" for p in PRESETS
+        )
+        lines.append(f"- {r['shape']} @ {r['context']}: {s}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--n-chain", type=int, default=20)
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--quick", action="store_true", help="llama shape only")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        device = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True,
+        ).stdout.strip() or platform.processor()
+    except FileNotFoundError:
+        device = platform.platform()
+    meta = {
+        "device": device,
+        "mlx": mx.__version__,
+        "backend": auto_backend(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "n_chain": args.n_chain,
+        "command": "python " + " ".join(sys.argv),
+        "copy_GBps": copy_bandwidth() / 1e9,
+    }
+    print(json.dumps(meta), flush=True)
+    rows: list = []
+    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows)
+    if not args.quick:
+        bench_shape("gemma-like Hq4 Hkv1 D256", 4, 1, 256, contexts, args.n_chain, rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        for m in r["methods"].values():
+            if "GBps" in m:
+                m["fraction_of_copy_bw"] = m["GBps"] / meta["copy_GBps"]
+    (out / "decode_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "decode_attention.md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""GPU kernels against their references (run on a Metal or CUDA machine: pytest -m gpu).
+
+Tolerances: the kernels compute in float32 (scores, online softmax, weighted V),
+in another summation order than the reference, so outputs agree to ~1e-6
+relative; we assert 2e-5 on float32 queries. Quantize codes may differ from
+`quantize_ref` only at float32 ties with a cell boundary: at most 1 in 10^4
+coordinates, by one cell.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turbospark_mlx import KvCacheManager, LayerSpec, attention_any, commit_kv, kv_write_target
+from turbospark_mlx.attention import attention_mask, tq_attention_ref
+from turbospark_mlx.backend import auto_backend, use_backend
+from turbospark_mlx.quant.packing import unpack_indices
+from turbospark_mlx.quant.turboquant import LayerQuant, quantize_ref, side_quant
+from turbospark_mlx.tq_kernels import tq_decode_attention, tq_quantize
+
+pytestmark = pytest.mark.gpu
+
+BACKEND = auto_backend()
+if BACKEND == "reference":
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Metal or CUDA GPU (MLX default device is not a GPU)")]
+
+
+def _rel(a: mx.array, b: mx.array) -> float:
+    a = np.asarray(a.astype(mx.float32), dtype=np.float64)
+    b = np.asarray(b.astype(mx.float32), dtype=np.float64)
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _quant(kb: int, vb: int, d: int, layer: int = 0) -> LayerQuant:
+    return LayerQuant(layer, side_quant(kb, d, "auto", 7, layer, "k"), side_quant(vb, d, "auto", 7, layer, "v"))
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256, 512])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_quantize_kernel_matches_ref(d, bits):
+    side = side_quant(bits, d, "auto", 3, 1, "k")
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        x = (3 * mx.random.normal((2, 3, 37, d))).astype(dtype)
+        x[0, 0, 0] = 0  # a zero row
+        codes, norms = tq_quantize(x, side, backend=BACKEND)
+        ref_codes, ref_norms = quantize_ref(x, side)
+        assert codes.shape == ref_codes.shape and codes.dtype == mx.uint32
+        assert mx.allclose(norms, ref_norms, rtol=1e-6, atol=0).item()
+        idx = np.asarray(unpack_indices(codes, bits, d)).astype(np.int64)
+        ref = np.asarray(unpack_indices(ref_codes, bits, d)).astype(np.int64)
+        diff = np.abs(idx - ref)
+        assert diff.max() <= 1 and (diff > 0).mean() <= 1e-4, (dtype, (diff > 0).sum())
+        again, _ = tq_quantize(x, side, backend=BACKEND)
+        assert mx.array_equal(codes, again).item()
+
+
+CASES = [
+    # B, Hq, Hkv, M, D, kb, vb, L, kv_start, sinks
+    (1, 4, 1, 1, 128, 4, 4, 1000, 0, False),
+    (2, 8, 2, 1, 64, 3, 2, 777, 0, True),
+    (1, 32, 8, 1, 128, 4, 3, 5000, 0, False),
+    (3, 6, 3, 2, 96, 8, 4, 300, [0, 17, 150], True),
+    (1, 4, 1, 4, 256, 2, 8, 2049, 5, False),
+    (2, 16, 2, 1, 512, 4, 4, 1500, [3, 0], True),
+    (1, 12, 4, 7, 128, 3, 3, 64, 0, False),
+    (1, 8, 1, 3, 512, 4, 2, 400, 0, False),  # 24 query rows at D=512: split into calls
+    (1, 40, 8, 1, 128, 8, 8, 70000, 1000, True),
+    (2, 2, 2, 1, 64, 1, 4, 33, 0, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_decode_kernel_matches_ref(case):
+    B, Hq, Hkv, M, D, kb, vb, L, kv_start, use_sinks = case
+    quant = _quant(kb, vb, D)
+    cap = L + 37  # storage past the visible keys holds garbage the kernel must not read
+    k = mx.random.normal((B, Hkv, cap, D))
+    v = mx.random.normal((B, Hkv, cap, D))
+    kc, kn = quantize_ref(k, quant.k)
+    vc, vn = quantize_ref(v, quant.v)
+    kn[:, :, L:] = float("nan")
+    vn[:, :, L:] = float("nan")
+    q = 2 * mx.random.normal((B, Hq, M, D))
+    sinks = mx.random.normal((Hq,)) if use_sinks else None
+    start = mx.array(kv_start, dtype=mx.int32) if isinstance(kv_start, list) else kv_start
+    position = L - M
+    scale = 0.7 / D**0.5
+    out = tq_decode_attention(
+        q, kc, kn, vc, vn, quant, scale=scale, position=position, kv_start=start, sinks=sinks, backend=BACKEND
+    )
+    mask = attention_mask(mx.arange(L), mx.arange(position, L), start)
+    ref = tq_attention_ref(
+        q, kc[:, :, :L], kn[:, :, :L], vc[:, :, :L], vn[:, :, :L], quant, scale=scale, mask=mask, sinks=sinks
+    )
+    assert out.shape == ref.shape
+    assert _rel(out, ref) < 2e-5
+    again = tq_decode_attention(
+        q, kc, kn, vc, vn, quant, scale=scale, position=position, kv_start=start, sinks=sinks, backend=BACKEND
+    )
+    assert mx.array_equal(out, again).item()
+
+
+def test_cache_paths_use_kernels_and_match_reference():
+    specs = [LayerSpec(2, 128), LayerSpec(2, 96)]
+
+    def run(backend):
+        mx.random.seed(11)
+        with use_backend(backend):
+            cache = KvCacheManager(specs, kv="k8v4", max_rows=16)
+            assert all(cache.layer_quant(i) is not None for i in range(2))
+            outs = []
+            pos = 0
+            for m in (9, 1, 1, 5):
+                for layer, spec in enumerate(specs):
+                    k = mx.random.normal((1, 2, m, spec.head_dim)).astype(mx.float16)
+                    v = mx.random.normal((1, 2, m, spec.head_dim)).astype(mx.float16)
+                    kv_write_target(cache, "k", layer, pos).write(k)
+                    kv_write_target(cache, "v", layer, pos).write(v)
+                    commit_kv(cache, layer, pos, m)
+                    q = mx.random.normal((1, 6, m, spec.head_dim)).astype(mx.float32)
+                    outs.append(attention_any(cache, layer, q, pos, sinks=mx.ones((6,))))
+                pos += m
+            mx.eval(outs)
+            return outs, cache
+
+    gpu_outs, gpu_cache = run(BACKEND)
+    ref_outs, ref_cache = run("reference")
+    for a, b in zip(gpu_outs, ref_outs):
+        assert _rel(a, b) < 1e-3  # codes may differ at boundary ties; attention stays close
+    for layer in range(2):
+        ga, ra = gpu_cache.layer_arrays(layer), ref_cache.layer_arrays(layer)
+        n = gpu_cache.layer_offset(layer)
+        same = mx.mean((ga["k_codes"][:, :, :n] == ra["k_codes"][:, :, :n]).astype(mx.float32)).item()
+        assert same > 0.999
