@@ -219,13 +219,30 @@ def markdown(meta, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def probe(L: int = 131072, preset: str = "tq4") -> None:
+    """A few decode calls at one shape, for a profiler (ncu) to pick kernels from."""
+    kb, vb = PRESETS[preset]
+    quant = LayerQuant(0, side_quant(kb, 128, "auto", 0, 0, "k"), side_quant(vb, 128, "auto", 0, 0, "v"))
+    kc, vc = (_random_words((1, 8, L, w)) for w in (quant.k.words, quant.v.words))
+    kn = mx.random.uniform(0.5, 2.0, (1, 8, L))
+    vn = mx.random.uniform(0.5, 2.0, (1, 8, L))
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
+    for _ in range(6):
+        q = tq_decode_attention(q, kc, kn, vc, vn, quant, scale=128**-0.5, position=L - 1, backend=auto_backend())
+        mx.eval(q)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--probe", action="store_true", help="only run a few tq4 decode calls at 128k (for ncu)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--n-chain", type=int, default=20)
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--quick", action="store_true", help="llama shape only")
     args = ap.parse_args()
+    if args.probe:
+        probe()
+        return
     contexts = [int(c) for c in args.contexts.split(",")]
     try:
         device = subprocess.run(

@@ -12,11 +12,13 @@
 #define TS_FUNC __device__ __forceinline__
 #define TS_BARRIER() __syncthreads()
 #define TS_NEG_INF (__int_as_float(0xff800000))
+#define TS_UNROLL _Pragma("unroll")
 typedef unsigned int uint;
 
 TS_FUNC float ts_exp(float x) { return expf(x); }
 TS_FUNC float ts_sqrt(float x) { return sqrtf(x); }
 TS_FUNC float ts_max(float a, float b) { return fmaxf(a, b); }
+TS_FUNC float ts_as_float(int bits) { return __int_as_float(bits); }
 
 // A warp is the SIMD group: 32 lanes on NVIDIA, as on Apple GPUs.
 TS_FUNC float ts_simd_sum(float x) {

@@ -12,10 +12,12 @@ using namespace metal;
 #define TS_FUNC inline
 #define TS_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define TS_NEG_INF (-INFINITY)
+#define TS_UNROLL _Pragma("clang loop unroll(full)")
 
 TS_FUNC float ts_exp(float x) { return metal::exp(x); }
 TS_FUNC float ts_sqrt(float x) { return metal::sqrt(x); }
 TS_FUNC float ts_max(float a, float b) { return metal::fmax(a, b); }
+TS_FUNC float ts_as_float(int bits) { return as_type<float>(bits); }
 
 TS_FUNC float ts_simd_sum(float x) { return simd_sum(x); }
 TS_FUNC float ts_simd_max(float x) { return simd_max(x); }

@@ -8,7 +8,7 @@
 template <int N, int VEC, typename P>
 TS_FUNC void ts_load_words(P src, TS_TPTR uint* out) {
   if (VEC >= 4 && N % 4 == 0) {
-    for (int i = 0; i < N / 4; i++) {
+    TS_UNROLL for (int i = 0; i < N / 4; i++) {
       const uint4 v = ((const TS_GPTR uint4*)src)[i];
       out[4 * i] = v.x;
       out[4 * i + 1] = v.y;
@@ -16,13 +16,13 @@ TS_FUNC void ts_load_words(P src, TS_TPTR uint* out) {
       out[4 * i + 3] = v.w;
     }
   } else if (VEC >= 2 && N % 2 == 0) {
-    for (int i = 0; i < N / 2; i++) {
+    TS_UNROLL for (int i = 0; i < N / 2; i++) {
       const uint2 v = ((const TS_GPTR uint2*)src)[i];
       out[2 * i] = v.x;
       out[2 * i + 1] = v.y;
     }
   } else {
-    for (int i = 0; i < N; i++) out[i] = src[i];
+    TS_UNROLL for (int i = 0; i < N; i++) out[i] = src[i];
   }
 }
 
@@ -46,15 +46,15 @@ TS_FUNC void ts_block_unpack8(TS_TPTR const uint* words, int c, TS_TPTR uint* id
   if (BITS == 3) {
     const uint lo = words[c / 2] >> ((c % 2) * 16);
     const uint hi = words[2] >> (c * 8);
-    for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
+    TS_UNROLL for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
   } else if (BITS == 8) {
-    for (int e = 0; e < 4; e++) {
+    TS_UNROLL for (int e = 0; e < 4; e++) {
       idx[e] = (words[2 * c] >> (8 * e)) & 255u;
       idx[e + 4] = (words[2 * c + 1] >> (8 * e)) & 255u;
     }
   } else {
     const uint w = words[(8 * c * BITS) / 32] >> ((8 * c * BITS) % 32);
-    for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
+    TS_UNROLL for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
   }
 }
 
@@ -65,16 +65,35 @@ TS_FUNC void ts_unpack8(P codes, int c, TS_TPTR uint* idx) {
     constexpr int W0 = (DIM + 15) / 16;
     const uint lo = codes[c / 2] >> ((c % 2) * 16);
     const uint hi = codes[W0 + c / 4] >> ((c % 4) * 8);
-    for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
+    TS_UNROLL for (int e = 0; e < 8; e++) idx[e] = ((lo >> (2 * e)) & 3u) | (((hi >> e) & 1u) << 2);
   } else if (BITS == 8) {
     const uint w0 = codes[2 * c];
     const uint w1 = codes[2 * c + 1];
-    for (int e = 0; e < 4; e++) {
+    TS_UNROLL for (int e = 0; e < 4; e++) {
       idx[e] = (w0 >> (8 * e)) & 255u;
       idx[e + 4] = (w1 >> (8 * e)) & 255u;
     }
   } else {
     const uint w = codes[(8 * c * BITS) / 32] >> ((8 * c * BITS) % 32);
-    for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
+    TS_UNROLL for (int e = 0; e < 8; e++) idx[e] = (w >> (BITS * e)) & ((1u << BITS) - 1u);
+  }
+}
+
+// In-place fast Walsh-Hadamard transform (Sylvester order, unnormalized) of NV
+// interleaved vectors of length N in threadgroup memory: element j of vector v at
+// buf[j * NV + v]. All NTH threads of the group call it; it ends with a barrier.
+template <int N, int NV, int NTH>
+TS_FUNC void ts_fwht(TS_SPTR float* buf, uint tid) {
+  for (int h = 1; h < N; h <<= 1) {
+    for (int p = tid; p < (N / 2) * NV; p += NTH) {
+      const int v = p % NV;
+      const int k = p / NV;
+      const int i = (k / h) * 2 * h + (k % h);
+      const float a = buf[i * NV + v];
+      const float b = buf[(i + h) * NV + v];
+      buf[i * NV + v] = a + b;
+      buf[(i + h) * NV + v] = a - b;
+    }
+    TS_BARRIER();
   }
 }

@@ -42,11 +42,12 @@ def _quant(kb: int, vb: int, d: int, layer: int = 0) -> LayerQuant:
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_quantize_kernel_matches_ref(d, bits):
     side = side_quant(bits, d, "auto", 3, 1, "k")
-    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+    for dtype in (mx.float16, mx.bfloat16, mx.float32) if d == 128 else (mx.float16,):
         x = (3 * mx.random.normal((2, 3, 37, d))).astype(dtype)
         x[0, 0, 0] = 0  # a zero row
         codes, norms = tq_quantize(x, side, backend=BACKEND)
-        ref_codes, ref_norms = quantize_ref(x, side)
+        with mx.stream(mx.cpu):  # float32 matmuls on MLX CUDA may run as TF32: the oracle runs on the CPU
+            ref_codes, ref_norms = quantize_ref(x, side)
         assert codes.shape == ref_codes.shape and codes.dtype == mx.uint32
         assert mx.allclose(norms, ref_norms, rtol=1e-6, atol=0).item()
         idx = np.asarray(unpack_indices(codes, bits, d)).astype(np.int64)
@@ -91,10 +92,12 @@ def test_decode_kernel_matches_ref(case):
     out = tq_decode_attention(
         q, kc, kn, vc, vn, quant, scale=scale, position=position, kv_start=start, sinks=sinks, backend=BACKEND
     )
-    mask = attention_mask(mx.arange(L), mx.arange(position, L), start)
-    ref = tq_attention_ref(
-        q, kc[:, :, :L], kn[:, :, :L], vc[:, :, :L], vn[:, :, :L], quant, scale=scale, mask=mask, sinks=sinks
-    )
+    with mx.stream(mx.cpu):  # exact float32 oracle (MLX CUDA matmuls may use TF32)
+        mask = attention_mask(mx.arange(L), mx.arange(position, L), start)
+        ref = tq_attention_ref(
+            q, kc[:, :, :L], kn[:, :, :L], vc[:, :, :L], vn[:, :, :L], quant, scale=scale, mask=mask, sinks=sinks
+        )
+        mx.eval(ref)
     assert out.shape == ref.shape
     assert _rel(out, ref) < 2e-5
     again = tq_decode_attention(
@@ -127,7 +130,8 @@ def test_cache_paths_use_kernels_and_match_reference():
             return outs, cache
 
     gpu_outs, gpu_cache = run(BACKEND)
-    ref_outs, ref_cache = run("reference")
+    with mx.stream(mx.cpu):
+        ref_outs, ref_cache = run("reference")
     for a, b in zip(gpu_outs, ref_outs):
         assert _rel(a, b) < 1e-3  # codes may differ at boundary ties; attention stays close
     for layer in range(2):

@@ -13,17 +13,19 @@ import os
 import re
 import shutil
 import subprocess
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from turbospark_mlx import _kernels, kernel_build
-from turbospark_mlx.kernel_build import ArgInfo, metal_source, render
+from turbospark_mlx.kernel_build import ArgInfo, cuda_source, metal_source, render
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
-from turbospark_mlx.tq_kernels import decode_plan
+from turbospark_mlx.tq_kernels import _rotation, decode_plan
 
 SHIM = Path(__file__).resolve().parent / "metal_shim"
+CUDA_SHIM = Path(__file__).resolve().parent / "cuda_shim" / "cuda_shim.h"
 BITS = (1, 2, 3, 4, 8)
 HEAD_DIMS = (64, 96, 128, 256, 512)
 
@@ -43,6 +45,12 @@ def _quant(kb: int, vb: int, d: int) -> LayerQuant:
     return LayerQuant(0, side_quant(kb, d, rot, 0, 0, "k"), side_quant(vb, d, rot, 0, 0, "v"))
 
 
+def _rot_info(side) -> tuple[int, ArgInfo]:
+    kind, arr = _rotation(side)
+    return kind, ArgInfo(mx.float32, arr.ndim, arr.size)
+
+
+@lru_cache(maxsize=None)
 def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
     """(inputs, output dtypes, template) of every launch shape the package makes, per op."""
     f32, u32, i32 = mx.float32, mx.uint32, mx.int32
@@ -50,12 +58,13 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
     for d in HEAD_DIMS:
         for bits in BITS:
             side = side_quant(bits, d, "auto", 0, 0, "k")
+            kind, rot = _rot_info(side)
             for dt in (mx.float16, mx.bfloat16, mx.float32):
                 out["tq_quantize"].append(
                     (
-                        [ArgInfo(dt, 2, 4 * d), ArgInfo(f32, 2, 4 * d), ArgInfo(f32, 1, max(8, 2**bits - 1))],
+                        [ArgInfo(dt, 2, 4 * d), rot, ArgInfo(f32, 1, max(8, 2**bits - 1))],
                         [u32, f32],
-                        [("T", dt), ("D", d), ("BITS", bits), ("W", side.words)],
+                        [("T", dt), ("D", d), ("BITS", bits), ("W", side.words), ("ROT", kind)],
                     )
                 )
     seen = set()
@@ -73,30 +82,32 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                             continue
                         seen.add(key)
                         cap = 4096
-                        ins = [
-                            ArgInfo(f32, 4, 8 * g * m * d),
-                            ArgInfo(u32, 4, 8 * cap * q.k.words),
-                            ArgInfo(f32, 3, 8 * cap),
-                            ArgInfo(u32, 4, 8 * cap * q.v.words),
-                            ArgInfo(f32, 3, 8 * cap),
-                            ArgInfo(f32, 1, max(8, 2**kb)),
-                            ArgInfo(f32, 1, max(8, 2**vb)),
-                            ArgInfo(i32, 1, 8),
-                            ArgInfo(i32, 1, 5),
-                            ArgInfo(f32, 1, 1),
-                        ]
-                        out["tq_decode_attention"].append((ins, [f32, f32], plan["template"]))
-                        R, RP = plan["R"], plan["RP"]
-                        for sink in (False, True):
-                            out["tq_decode_reduce"].append(
-                                (
-                                    [ArgInfo(f32, 3, 64 * R * d), ArgInfo(f32, 3, 64 * RP * 2), ArgInfo(f32, 1, 8),
-                                     ArgInfo(i32, 1, 2)],
-                                    [f32],
-                                    [("D", d), ("G", g), ("M", m), ("R", R), ("RP", RP),
-                                     ("NTR", min(256, d)), ("HAS_SINK", sink)],
+                        for qdt in (mx.float16, mx.bfloat16, mx.float32):
+                            ins = [
+                                ArgInfo(qdt, 4, 8 * g * m * d),
+                                ArgInfo(u32, 4, 8 * cap * q.k.words),
+                                ArgInfo(f32, 3, 8 * cap),
+                                ArgInfo(u32, 4, 8 * cap * q.v.words),
+                                ArgInfo(f32, 3, 8 * cap),
+                                ArgInfo(f32, 1, max(8, 2**kb)),
+                                ArgInfo(f32, 1, max(8, 2**vb)),
+                                _rot_info(q.k)[1],
+                                ArgInfo(i32, 1, 9),
+                            ]
+                            out["tq_decode_attention"].append((ins, [f32, f32], plan["template"]))
+                            R, RP = plan["R"], plan["RP"]
+                            vkind, vrot = _rot_info(q.v)
+                            for sink in (False, True):
+                                out["tq_decode_reduce"].append(
+                                    (
+                                        [ArgInfo(f32, 3, 64 * R * d), ArgInfo(f32, 3, 64 * RP * 2),
+                                         ArgInfo(f32, 1, 8), vrot, ArgInfo(i32, 1, 2)],
+                                        [qdt],
+                                        [("D", d), ("G", g), ("M", m), ("R", R), ("RP", RP),
+                                         ("TSL", max(1, min(8, 1024 // d))), ("HAS_SINK", sink), ("VROT", vkind),
+                                         ("OT", qdt)],
+                                    )
                                 )
-                            )
     return out
 
 
@@ -142,7 +153,7 @@ def test_dialect_tokens_substituted_textually():
 
 
 def test_metal_source_matches_mlx_signature_rules():
-    ins = [ArgInfo(mx.float16, 2, 512), ArgInfo(mx.float32, 2, 512), ArgInfo(mx.float32, 1, 3)]
+    ins = [ArgInfo(mx.float16, 2, 512), ArgInfo(mx.float32, 1, 128), ArgInfo(mx.float32, 1, 3)]
     name, src = metal_source("tq_quantize", ins, [mx.uint32, mx.float32], [("T", mx.float16), ("D", 128)])
     assert name == "custom_kernel_turbospark_tq_quantize__float16_t_128_float16_t_float_floatc_uint32_t_float"
     assert "template <typename T, int D>" in src
@@ -173,3 +184,20 @@ def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
     result = _compile(_translation_unit("tq_decode_reduce", _variants()["tq_decode_reduce"][:2]), tmp_path, "bad")
     assert result.returncode != 0
     assert "flaot" in result.stderr
+
+
+@pytest.mark.parametrize("op", sorted(kernel_build.SPECS))
+def test_cuda_kernels_typecheck_through_shim(op, tmp_path):
+    """The CUDA text of a sample of variants type-checks on the CPU (NVRTC compiles it on the GPU)."""
+    variants = _variants()[op]
+    sample = variants[:: max(1, len(variants) // 8)]
+    for i, (ins, outs, template) in enumerate(sample):
+        path = tmp_path / f"{op}_{i}.cu.cpp"
+        path.write_text(cuda_source(op, ins, outs, template))
+        result = subprocess.run(
+            [_clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-ferror-limit=5", "-include", str(CUDA_SHIM),
+             str(path)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, (template, result.stderr[-4000:])

@@ -58,13 +58,13 @@ class KernelSpec:
 SPECS: dict[str, KernelSpec] = {
     s.op: s
     for s in (
-        KernelSpec("tq_quantize", ("x", "xr", "bnd"), ("codes", "norms")),
+        KernelSpec("tq_quantize", ("x", "rot", "bnd"), ("codes", "norms")),
         KernelSpec(
             "tq_decode_attention",
-            ("q", "k_codes", "k_norms", "v_codes", "v_norms", "k_cent", "v_cent", "kv_start", "prm", "scale"),
+            ("q", "k_codes", "k_norms", "v_codes", "v_norms", "k_cent", "v_cent", "k_rot", "prm"),
             ("part_o", "part_ms"),
         ),
-        KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "prm"), ("out",)),
+        KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot", "prm"), ("out",)),
     )
 }
 
@@ -229,3 +229,42 @@ def metal_source(
         inst = name + template_def
         src += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
     return name, src
+
+
+_CUDA_TYPES = {
+    mx.bool_: "bool",
+    mx.uint32: "uint32_t",
+    mx.int32: "int32_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+
+
+def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], template) -> str:
+    """The source `mx.fast.cuda_kernel` compiles for this call, less MLX's own includes
+    (mlx/backend/cuda/custom_kernel.cpp `build_kernel`): template values become
+    constants declared at the top of the body."""
+    spec = _check("cuda", op)
+    header, body = render(op, "cuda")
+    args = [f"    const {_CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(spec.inputs, inputs)]
+    args += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, output_dtypes)]
+    consts = ""
+    for n, v in template:
+        if isinstance(v, bool):
+            consts += f"  constexpr bool {n} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            consts += f"  constexpr int {n} = {v};\n"
+        else:
+            consts += f"  using {n} = {_CUDA_TYPES[v]};\n"
+    return (
+        header
+        + "\nnamespace mlx::core::cu {\n\n"
+        + f"__global__ void custom_kernel_{kernel_name(op)}(\n"
+        + ",\n".join(args)
+        + ") {\n"
+        + consts
+        + "\n"
+        + body
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )

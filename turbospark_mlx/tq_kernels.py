@@ -5,8 +5,10 @@
 * `tq_decode_attention(...)`: M query rows over a packed cache ->
   `kernels/tq_decode_attention.kernel` (flash-decoding tiles) +
   `kernels/tq_decode_reduce.kernel`; `attention.tq_attention_ref` is its oracle.
-  The query is rotated once per call and the output rotated back once, with mx
-  ops (Hadamard or a dense matmul) outside the kernels.
+  The query is rotated once per threadgroup inside pass 1 (a Hadamard butterfly
+  or a dense product in threadgroup memory) and the output rotated back once per
+  row inside the reduce, so one decode call is two kernel launches: on MLX CUDA
+  every extra op costs ~10 us of host time, more than the kernels at 4k.
 
 `*_unsupported` say why a kernel cannot serve a configuration (None: it can);
 `backend.resolve` turns that into an error or a warned fallback, never a silent one.
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import struct
 import weakref
 
 import mlx.core as mx
@@ -28,6 +31,7 @@ SHARED_BUDGET = 28 * 1024
 # Enough threadgroups to fill a large GPU (132 SMs on an H200) a couple of times over.
 TARGET_GROUPS = 512
 
+_ZEROS8 = mx.zeros((8,), mx.float32)
 _tables: "weakref.WeakKeyDictionary[SideQuant, dict[str, mx.array]]" = weakref.WeakKeyDictionary()
 
 
@@ -42,6 +46,19 @@ def _padded(side: SideQuant, name: str) -> mx.array:
         mx.eval(a)
         cache[name] = a
     return cache[name]
+
+
+def _rotation(side: SideQuant) -> tuple[int, mx.array]:
+    """(ROT template value, array) for a side: 0 and the (D,) signs of a randomized
+    Hadamard, or 1 and the (D, D) dense Π. The kernels apply it in float32."""
+    cache = _tables.setdefault(side, {})
+    if "rot" not in cache:
+        r = side.rotation
+        arr = r.signs if r.kind == "hadamard" else r.matrix
+        arr = arr.astype(mx.float32)
+        mx.eval(arr)
+        cache["rot"] = (0 if r.kind == "hadamard" else 1, arr)
+    return cache["rot"]
 
 
 def _bits_reason(side: SideQuant, what: str) -> str | None:
@@ -64,8 +81,8 @@ def tq_quantize(x: mx.array, side: SideQuant, backend: str | None = None) -> tup
     """(..., d) rows -> ((..., words) uint32 codes, (...,) float32 norms), as `quantize_ref`.
 
     On a kernel backend the codes equal `quantize_ref`'s except where a rotated
-    coordinate lies within float32 rounding of a cell boundary (the kernel divides
-    Πx by ||x|| where the reference rotates x/||x||).
+    coordinate lies within float32 rounding of a cell boundary (the kernel rotates
+    x in its own order of operations and then divides by ||x||).
     """
     if backend is None:
         backend = _backend.resolve(tq_quantize_unsupported(x, side))
@@ -76,11 +93,10 @@ def tq_quantize(x: mx.array, side: SideQuant, backend: str | None = None) -> tup
     rows = 1
     for n in lead:
         rows *= n
-    x2 = x.reshape(rows, d)
-    xr = side.rotation.apply(x2)  # Πx in float32, once for all rows
+    rot_kind, rot = _rotation(side)
     codes, norms = get_kernel("tq_quantize", backend)(
-        inputs=[x2, xr, _padded(side, "boundaries")],
-        template=[("T", x.dtype), ("D", d), ("BITS", side.bits), ("W", side.words)],
+        inputs=[x.reshape(rows, d), rot, _padded(side, "boundaries")],
+        template=[("T", x.dtype), ("D", d), ("BITS", side.bits), ("W", side.words), ("ROT", rot_kind)],
         grid=(32 * rows, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(rows, side.words), (rows,)],
@@ -140,6 +156,7 @@ def decode_plan(
             ("TT", TT),
             ("NS", min(32, _pow2_floor(NT // (D // 8)))),
             ("RV", 8 if RP % 8 == 0 else 4),
+            ("KROT", _rotation(quant.k)[0]),
         ],
         NT=NT,
         tiles=tiles,
@@ -156,8 +173,8 @@ def tq_decode_unsupported(quant: LayerQuant, group: int, head_dim: int) -> str |
             return reason
     if head_dim % 32:
         return f"head_dim {head_dim} is not a multiple of 32"
-    if head_dim // 8 > 256:
-        return f"head_dim {head_dim} is above 2048"
+    if head_dim > 512:
+        return f"head_dim {head_dim} is above 512"
     if decode_plan(quant, group, 1, head_dim, 1, 1) is None:
         return f"{group} query heads per KV head at head_dim {head_dim} do not fit threadgroup memory"
     return None
@@ -226,24 +243,23 @@ def tq_decode_attention(
     cap = k_codes.shape[2]
     plan = decode_plan(quant, G, M, D, B * Hkv, end)
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
-    q_rot = quant.k.rotation.apply(queries)  # q' = Π_K q, float32, once per step
-    starts = kv_start if isinstance(kv_start, mx.array) else mx.array(kv_start)
-    starts = mx.broadcast_to(starts.astype(mx.int32).reshape(-1), (B,))
-    if B < 8:
-        starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
-    prm = mx.array([cap, end, position, Hkv, tiles], dtype=mx.int32)
+    head = [cap, end, position, Hkv, tiles, struct.unpack("<i", struct.pack("<f", scale))[0], 0, 0]
+    if isinstance(kv_start, mx.array):
+        starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (B,))
+        prm = mx.concatenate([mx.array(head, dtype=mx.int32), starts])
+    else:
+        prm = mx.array(head + [int(kv_start)] * B, dtype=mx.int32)
     part_o, part_ms = get_kernel("tq_decode_attention", backend)(
         inputs=[
-            q_rot,
+            queries,
             k_codes,
             k_norms,
             v_codes,
             v_norms,
             _padded(quant.k, "centroids"),
             _padded(quant.v, "centroids"),
-            starts,
+            _rotation(quant.k)[1],
             prm,
-            mx.array([scale], dtype=mx.float32),
         ],
         template=plan["template"],
         grid=(NT * tiles, B * Hkv, 1),
@@ -252,16 +268,30 @@ def tq_decode_attention(
         output_dtypes=[mx.float32, mx.float32],
     )
     has_sink = sinks is not None
-    sink_arr = sinks.astype(mx.float32) if has_sink else mx.zeros((8,), mx.float32)
-    if sink_arr.size < 8:
-        sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
-    ntr = min(256, -(-D // 32) * 32)
-    (out_rot,) = get_kernel("tq_decode_reduce", backend)(
-        inputs=[part_o, part_ms, sink_arr, mx.array([Hkv, tiles], dtype=mx.int32)],
-        template=[("D", D), ("G", G), ("M", M), ("R", R), ("RP", RP), ("NTR", ntr), ("HAS_SINK", has_sink)],
-        grid=(ntr * B * Hq * M, 1, 1),
-        threadgroup=(ntr, 1, 1),
+    if has_sink:
+        sink_arr = sinks.astype(mx.float32)
+        if sink_arr.size < 8:
+            sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
+    else:
+        sink_arr = _ZEROS8
+    tsl = max(1, min(8, 1024 // D))
+    vrot_kind, vrot = _rotation(quant.v)
+    (out,) = get_kernel("tq_decode_reduce", backend)(
+        inputs=[part_o, part_ms, sink_arr, vrot, mx.array([Hkv, tiles], dtype=mx.int32)],
+        template=[
+            ("D", D),
+            ("G", G),
+            ("M", M),
+            ("R", R),
+            ("RP", RP),
+            ("TSL", tsl),
+            ("HAS_SINK", has_sink),
+            ("VROT", vrot_kind),
+            ("OT", queries.dtype),
+        ],
+        grid=(D * tsl * B * Hq * M, 1, 1),
+        threadgroup=(D * tsl, 1, 1),
         output_shapes=[(B, Hq, M, D)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[queries.dtype],
     )
-    return quant.v.rotation.invert(out_rot).astype(queries.dtype)  # o = Π_Vᵀ o', once per step
+    return out
