@@ -169,6 +169,19 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
 
                 amort, single = timed(commit, x, n_chain)
                 row.setdefault("commit", {})[preset] = {"amortized_us": amort * 1e6, "single_eval_us": single * 1e6}
+            if preset == "tq4" and L == contexts[-1]:
+                # Where the time goes: other tilings, and the score stage alone.
+                for tiling in ((256, 4), (256, 2), (256, 1), (128, 2), (128, 4)):
+                    def tq_t(q, tiling=tiling):
+                        return tq_decode_attention(
+                            q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend, _tilings=(tiling,)
+                        )
+                    rec(f"tq4_kernel_NT{tiling[0]}_TT{tiling[1]}", tq_t, q0, nbytes, peak=False)
+                def tq_k(q):
+                    return tq_decode_attention(
+                        q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend, _skip_v=True
+                    )
+                rec("tq4_kernel_scores_only", tq_k, q0, nbytes, peak=False)
             del kc, vc, kn, vn
         fp16 = row["methods"]["fp16_sdpa"]["amortized_us"]
         for m in row["methods"].values():

@@ -74,7 +74,7 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                 q = _quant(kb, vb, d)
                 for g, m in ((1, 1), (4, 1), (8, 1), (4, 3), (2, 5)):
                     for end in (100, 1 << 17):
-                        plan = decode_plan(q, g, m, d, 8, end)
+                        plan = decode_plan(q, g, m, d, 8, end, scale=d**-0.5, has_starts=end < 1000)
                         if plan is None:
                             continue
                         key = tuple(v for _, v in plan["template"])
@@ -92,7 +92,8 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                                 ArgInfo(f32, 1, max(8, 2**kb)),
                                 ArgInfo(f32, 1, max(8, 2**vb)),
                                 _rot_info(q.k)[1],
-                                ArgInfo(i32, 1, 9),
+                                ArgInfo(i32, 1, 2),
+                                ArgInfo(i32, 1, 8),
                             ]
                             out["tq_decode_attention"].append((ins, [f32, f32], plan["template"]))
                             R, RP = plan["R"], plan["RP"]
@@ -100,8 +101,8 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                             for sink in (False, True):
                                 out["tq_decode_reduce"].append(
                                     (
-                                        [ArgInfo(f32, 3, 64 * R * d), ArgInfo(f32, 3, 64 * RP * 2),
-                                         ArgInfo(f32, 1, 8), vrot, ArgInfo(i32, 1, 2)],
+                                        [ArgInfo(f32, 5, 64 * R * d), ArgInfo(f32, 5, 64 * RP * 2),
+                                         ArgInfo(f32, 1, 8), vrot],
                                         [qdt],
                                         [("D", d), ("G", g), ("M", m), ("R", R), ("RP", RP),
                                          ("TSL", max(1, min(8, 1024 // d))), ("HAS_SINK", sink), ("VROT", vkind),

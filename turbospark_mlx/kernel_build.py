@@ -36,12 +36,14 @@ DIALECT: dict[str, dict[str, str]] = {
         "TS_GROUP_X": "threadgroup_position_in_grid.x",
         "TS_GROUP_Y": "threadgroup_position_in_grid.y",
         "TS_LANE": "thread_index_in_simdgroup",
+        "TS_NGROUPS_X": "threadgroups_per_grid.x",
     },
     "cuda": {
         "TS_TID": "threadIdx.x",
         "TS_GROUP_X": "blockIdx.x",
         "TS_GROUP_Y": "blockIdx.y",
         "TS_LANE": "(threadIdx.x & 31u)",
+        "TS_NGROUPS_X": "gridDim.x",
     },
 }
 
@@ -61,10 +63,10 @@ SPECS: dict[str, KernelSpec] = {
         KernelSpec("tq_quantize", ("x", "rot", "bnd"), ("codes", "norms")),
         KernelSpec(
             "tq_decode_attention",
-            ("q", "k_codes", "k_norms", "v_codes", "v_norms", "k_cent", "v_cent", "k_rot", "prm"),
+            ("q", "k_codes", "k_norms", "v_codes", "v_norms", "k_cent", "v_cent", "k_rot", "prm", "kv_starts"),
             ("part_o", "part_ms"),
         ),
-        KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot", "prm"), ("out",)),
+        KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot"), ("out",)),
     )
 }
 
@@ -247,7 +249,13 @@ def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], t
     constants declared at the top of the body."""
     spec = _check("cuda", op)
     header, body = render(op, "cuda")
-    args = [f"    const {_CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(spec.inputs, inputs)]
+    args = []
+    for n, a in zip(spec.inputs, inputs):
+        args.append(f"    const {_CUDA_TYPES[a.dtype]}* {n}")
+        if a.ndim > 0:
+            for suffix, t in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                if n + suffix in body:
+                    args.append(f"    const __grid_constant__ {t} {n}{suffix}")
     args += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, output_dtypes)]
     consts = ""
     for n, v in template:

@@ -32,6 +32,7 @@ SHARED_BUDGET = 28 * 1024
 TARGET_GROUPS = 512
 
 _ZEROS8 = mx.zeros((8,), mx.float32)
+_ZEROS8_I32 = mx.zeros((8,), mx.int32)
 _tables: "weakref.WeakKeyDictionary[SideQuant, dict[str, mx.array]]" = weakref.WeakKeyDictionary()
 
 
@@ -112,8 +113,23 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+# (threads per group, keys per thread) tried in order; the first that fits and gives
+# TARGET_GROUPS groups wins.
+TILINGS = ((256, 4), (256, 2), (256, 1), (128, 1), (64, 1))
+
+
 def decode_plan(
-    quant: LayerQuant, group: int, rows: int, head_dim: int, n_seq_heads: int, end: int
+    quant: LayerQuant,
+    group: int,
+    rows: int,
+    head_dim: int,
+    n_seq_heads: int,
+    end: int,
+    *,
+    scale: float = 1.0,
+    has_starts: bool = False,
+    tilings=None,
+    skip_v: bool = False,
 ) -> dict | None:
     """Template values and launch shape for one decode call (rows = M query rows per head),
     or None when that many rows do not fit threadgroup memory.
@@ -125,7 +141,7 @@ def decode_plan(
     RP = -(-R // 4) * 4
     D = head_dim
     plan = None
-    for NT, TT in ((256, 4), (256, 2), (256, 1), (128, 1), (64, 1)):
+    for NT, TT in tilings or TILINGS:
         if NT < D // 8 or NT < RP:
             continue
         shared = 4 * (D * RP + NT * TT * RP + (NT // 32) * RP + RP) + 4 * (2**quant.k.bits + 2**quant.v.bits)
@@ -157,6 +173,9 @@ def decode_plan(
             ("NS", min(32, _pow2_floor(NT // (D // 8)))),
             ("RV", 8 if RP % 8 == 0 else 4),
             ("KROT", _rotation(quant.k)[0]),
+            ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
+            ("HAS_STARTS", has_starts),
+            ("SKIP_V", skip_v),
         ],
         NT=NT,
         tiles=tiles,
@@ -201,6 +220,8 @@ def tq_decode_attention(
     kv_start: int | mx.array = 0,
     sinks: mx.array | None = None,
     backend: str,
+    _tilings=None,
+    _skip_v: bool = False,
 ) -> mx.array:
     """M query rows at positions [position, position + M) over a packed cache, causally.
 
@@ -213,6 +234,7 @@ def tq_decode_attention(
         kv_start: keys before it are ignored; int or (B,) int array.
         sinks: (Hq,) sink logits or None.
         backend: "metal" or "cuda".
+        _tilings, _skip_v: benchmark knobs (tiling order; leave the V stage out).
     Returns:
         (B, Hq, M, D) in the queries' dtype.
     """
@@ -241,14 +263,20 @@ def tq_decode_attention(
 
     end = position + M
     cap = k_codes.shape[2]
-    plan = decode_plan(quant, G, M, D, B * Hkv, end)
+    has_starts = isinstance(kv_start, mx.array)
+    plan = decode_plan(
+        quant, G, M, D, B * Hkv, end, scale=scale, has_starts=has_starts, tilings=_tilings, skip_v=_skip_v
+    )
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
-    head = [cap, end, position, Hkv, tiles, struct.unpack("<i", struct.pack("<f", scale))[0], 0, 0]
-    if isinstance(kv_start, mx.array):
+    # Per-step values travel in 8 bytes (MLX CUDA's scalar pool); larger host arrays
+    # would land in managed memory and migrate to the GPU every step.
+    prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
+    if has_starts:
         starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (B,))
-        prm = mx.concatenate([mx.array(head, dtype=mx.int32), starts])
+        if B < 8:
+            starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
     else:
-        prm = mx.array(head + [int(kv_start)] * B, dtype=mx.int32)
+        starts = _ZEROS8_I32
     part_o, part_ms = get_kernel("tq_decode_attention", backend)(
         inputs=[
             queries,
@@ -260,11 +288,12 @@ def tq_decode_attention(
             _padded(quant.v, "centroids"),
             _rotation(quant.k)[1],
             prm,
+            starts,
         ],
         template=plan["template"],
         grid=(NT * tiles, B * Hkv, 1),
         threadgroup=(NT, 1, 1),
-        output_shapes=[(B * Hkv * tiles, R, D), (B * Hkv * tiles, RP, 2)],
+        output_shapes=[(B, Hkv, tiles, R, D), (B, Hkv, tiles, RP, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
     has_sink = sinks is not None
@@ -277,7 +306,7 @@ def tq_decode_attention(
     tsl = max(1, min(8, 1024 // D))
     vrot_kind, vrot = _rotation(quant.v)
     (out,) = get_kernel("tq_decode_reduce", backend)(
-        inputs=[part_o, part_ms, sink_arr, vrot, mx.array([Hkv, tiles], dtype=mx.int32)],
+        inputs=[part_o, part_ms, sink_arr, vrot],
         template=[
             ("D", D),
             ("G", G),

@@ -20,3 +20,5 @@ struct __nv_bfloat16 { unsigned short b; __nv_bfloat16() = default; __nv_bfloat1
 void __syncthreads();
 float __shfl_xor_sync(unsigned, float, int);
 float __int_as_float(int);
+struct Shape { int operator[](int) const; };
+struct Strides { int64_t operator[](int) const; };
