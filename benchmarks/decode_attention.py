@@ -108,7 +108,12 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
                 "peak_extra_MB": peak_extra(fn, q) / 2**20 if peak else None,
             }
 
-        rec("fp16_sdpa", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), q0, 2 * k.nbytes)
+        rec(
+            "fp16_sdpa",
+            lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+            q0,
+            2 * k.nbytes,
+        )
         # kv_start / ring layers: SDPA with a boolean mask (what attention_any uses on FP16 layers).
         mask = attention_mask(mx.arange(L), mx.arange(L - 1, L), 7)
         rec(
@@ -153,7 +158,9 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
 
             rec(f"{preset}_kernel", tq, q0, nbytes)
             plan = decode_plan(quant, G, 1, D, Hkv, L)
-            row["methods"][f"{preset}_kernel"]["plan"] = {n: v for n, v in plan["template"] if n in ("NT", "TT")}
+            row["methods"][f"{preset}_kernel"]["plan"] = {
+                n: v for n, v in plan["template"] if n in ("NT", "TT")
+            }
             row["methods"][f"{preset}_kernel"]["tiles"] = plan["tiles"]
             if L == contexts[0]:
                 # Commit of one decode step: K and V rows of one token, all KV heads.
@@ -163,24 +170,42 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
                     kcodes, kn_ = tq_quantize(x, quant.k, backend=backend)
                     vcodes, vn_ = tq_quantize(x, quant.v, backend=backend)
                     # chain: next input depends on this commit's outputs
-                    return x + (kn_[..., None] + vn_[..., None]).astype(x.dtype) * 0 + (
-                        (kcodes[..., :1] + vcodes[..., :1]) & 0
-                    ).astype(x.dtype)
+                    return (
+                        x
+                        + (kn_[..., None] + vn_[..., None]).astype(x.dtype) * 0
+                        + ((kcodes[..., :1] + vcodes[..., :1]) & 0).astype(x.dtype)
+                    )
 
                 amort, single = timed(commit, x, n_chain)
-                row.setdefault("commit", {})[preset] = {"amortized_us": amort * 1e6, "single_eval_us": single * 1e6}
+                row.setdefault("commit", {})[preset] = {
+                    "amortized_us": amort * 1e6,
+                    "single_eval_us": single * 1e6,
+                }
             if preset == "tq4" and L == contexts[-1]:
                 # Where the time goes: other tilings, and the score stage alone.
                 for tiling in ((256, 4), (256, 2), (256, 1), (128, 2), (128, 4)):
+
                     def tq_t(q, tiling=tiling):
                         return tq_decode_attention(
-                            q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend, _tilings=(tiling,)
+                            q,
+                            kc,
+                            kn,
+                            vc,
+                            vn,
+                            quant,
+                            scale=scale,
+                            position=L - 1,
+                            backend=backend,
+                            _tilings=(tiling,),
                         )
+
                     rec(f"tq4_kernel_NT{tiling[0]}_TT{tiling[1]}", tq_t, q0, nbytes, peak=False)
+
                 def tq_k(q):
                     return tq_decode_attention(
                         q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend, _skip_v=True
                     )
+
                 rec("tq4_kernel_scores_only", tq_k, q0, nbytes, peak=False)
             del kc, vc, kn, vn
         fp16 = row["methods"]["fp16_sdpa"]["amortized_us"]
@@ -190,9 +215,20 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
         a4 = row["methods"].get("affine4_mlx_lm_style", {}).get("amortized_us")
         if a4:
             for p in PRESETS:
-                row["methods"][f"{p}_kernel"]["speedup_vs_affine4"] = a4 / row["methods"][f"{p}_kernel"]["amortized_us"]
+                row["methods"][f"{p}_kernel"]["speedup_vs_affine4"] = (
+                    a4 / row["methods"][f"{p}_kernel"]["amortized_us"]
+                )
         results.append(row)
-        print(json.dumps({"shape": name, "L": L, **{k: round(v.get("amortized_us", -1), 1) for k, v in row["methods"].items()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "shape": name,
+                    "L": L,
+                    **{k: round(v.get("amortized_us", -1), 1) for k, v in row["methods"].items()},
+                }
+            ),
+            flush=True,
+        )
         del k, v
 
 
@@ -241,7 +277,9 @@ def probe(L: int = 131072, preset: str = "tq4") -> None:
     vn = mx.random.uniform(0.5, 2.0, (1, 8, L))
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
     for _ in range(6):
-        q = tq_decode_attention(q, kc, kn, vc, vn, quant, scale=128**-0.5, position=L - 1, backend=auto_backend())
+        q = tq_decode_attention(
+            q, kc, kn, vc, vn, quant, scale=128**-0.5, position=L - 1, backend=auto_backend()
+        )
         mx.eval(q)
 
 
@@ -258,10 +296,14 @@ def main():
         return
     contexts = [int(c) for c in args.contexts.split(",")]
     try:
-        device = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True,
-        ).stdout.strip() or platform.processor()
+        device = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            or platform.processor()
+        )
     except FileNotFoundError:
         device = platform.platform()
     meta = {

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.gpu
 
 BACKEND = auto_backend()
 if BACKEND == "reference":
-    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a Metal or CUDA GPU (MLX default device is not a GPU)")]
+    pytestmark = [
+        pytest.mark.gpu,
+        pytest.mark.skip(reason="needs a Metal or CUDA GPU (MLX default device is not a GPU)"),
+    ]
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -35,7 +38,9 @@ def _rel(a: mx.array, b: mx.array) -> float:
 
 
 def _quant(kb: int, vb: int, d: int, layer: int = 0) -> LayerQuant:
-    return LayerQuant(layer, side_quant(kb, d, "auto", 7, layer, "k"), side_quant(vb, d, "auto", 7, layer, "v"))
+    return LayerQuant(
+        layer, side_quant(kb, d, "auto", 7, layer, "k"), side_quant(vb, d, "auto", 7, layer, "v")
+    )
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 256, 512])
@@ -95,7 +100,15 @@ def test_decode_kernel_matches_ref(case):
     with mx.stream(mx.cpu):  # exact float32 oracle (MLX CUDA matmuls may use TF32)
         mask = attention_mask(mx.arange(L), mx.arange(position, L), start)
         ref = tq_attention_ref(
-            q, kc[:, :, :L], kn[:, :, :L], vc[:, :, :L], vn[:, :, :L], quant, scale=scale, mask=mask, sinks=sinks
+            q,
+            kc[:, :, :L],
+            kn[:, :, :L],
+            vc[:, :, :L],
+            vn[:, :, :L],
+            quant,
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
         )
         mx.eval(ref)
     assert out.shape == ref.shape

@@ -101,12 +101,24 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                             for sink in (False, True):
                                 out["tq_decode_reduce"].append(
                                     (
-                                        [ArgInfo(f32, 5, 64 * R * d), ArgInfo(f32, 5, 64 * RP * 2),
-                                         ArgInfo(f32, 1, 8), vrot],
+                                        [
+                                            ArgInfo(f32, 5, 64 * R * d),
+                                            ArgInfo(f32, 5, 64 * RP * 2),
+                                            ArgInfo(f32, 1, 8),
+                                            vrot,
+                                        ],
                                         [qdt],
-                                        [("D", d), ("G", g), ("M", m), ("R", R), ("RP", RP),
-                                         ("TSL", max(1, min(8, 1024 // d))), ("HAS_SINK", sink), ("VROT", vkind),
-                                         ("OT", qdt)],
+                                        [
+                                            ("D", d),
+                                            ("G", g),
+                                            ("M", m),
+                                            ("R", R),
+                                            ("RP", RP),
+                                            ("TSL", max(1, min(8, 1024 // d))),
+                                            ("HAS_SINK", sink),
+                                            ("VROT", vkind),
+                                            ("OT", qdt),
+                                        ],
                                     )
                                 )
     return out
@@ -133,8 +145,17 @@ def _compile(source: str, tmp_path: Path, name: str) -> subprocess.CompletedProc
     path = tmp_path / f"{name}.metal.cpp"
     path.write_text(source)
     return subprocess.run(
-        [_clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes", "-ferror-limit=5",
-         f"-I{SHIM}", str(path)],
+        [
+            _clang(),
+            "-x",
+            "c++",
+            "-std=c++17",
+            "-fsyntax-only",
+            "-Wno-unknown-attributes",
+            "-ferror-limit=5",
+            f"-I{SHIM}",
+            str(path),
+        ],
         capture_output=True,
         text=True,
     )
@@ -161,7 +182,7 @@ def test_metal_source_matches_mlx_signature_rules():
     assert "const device float16_t* x [[buffer(0)]]" in src
     assert "const constant float* bnd [[buffer(2)]]" in src  # < 8 elements: constant space
     assert "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]" in src
-    assert f'decltype({name}<float16_t, 128>) {name}<float16_t, 128>;' in src
+    assert f"decltype({name}<float16_t, 128>) {name}<float16_t, 128>;" in src
 
 
 @pytest.mark.parametrize("op", sorted(kernel_build.SPECS))
@@ -182,7 +203,9 @@ def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
         return text
 
     monkeypatch.setattr(kernel_build, "kernel_source", planted)
-    result = _compile(_translation_unit("tq_decode_reduce", _variants()["tq_decode_reduce"][:2]), tmp_path, "bad")
+    result = _compile(
+        _translation_unit("tq_decode_reduce", _variants()["tq_decode_reduce"][:2]), tmp_path, "bad"
+    )
     assert result.returncode != 0
     assert "flaot" in result.stderr
 
@@ -196,8 +219,17 @@ def test_cuda_kernels_typecheck_through_shim(op, tmp_path):
         path = tmp_path / f"{op}_{i}.cu.cpp"
         path.write_text(cuda_source(op, ins, outs, template))
         result = subprocess.run(
-            [_clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-ferror-limit=5", "-include", str(CUDA_SHIM),
-             str(path)],
+            [
+                _clang(),
+                "-x",
+                "c++",
+                "-std=c++17",
+                "-fsyntax-only",
+                "-ferror-limit=5",
+                "-include",
+                str(CUDA_SHIM),
+                str(path),
+            ],
             capture_output=True,
             text=True,
         )

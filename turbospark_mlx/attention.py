@@ -189,11 +189,13 @@ def attention_any(
         )
 
     if kv.ring_capacity(layer) is None:
-        keys, values = arrays["keys"][:, :, :end], arrays["values"][:, :, :end]
-        if isinstance(kv_start, int) and kv_start == 0:
-            # Plain causal attention: let MLX pick its fused path.
+        if isinstance(kv_start, int):
+            # Plain causal attention over [kv_start, end): MLX's fused path. A boolean mask
+            # sends MLX CUDA down its unfused path, 7x slower at 128k (benchmarks/results/).
+            keys, values = arrays["keys"][:, :, kv_start:end], arrays["values"][:, :, kv_start:end]
             mask = None if M == 1 else "causal"
         else:
+            keys, values = arrays["keys"][:, :, :end], arrays["values"][:, :, :end]
             mask = attention_mask(mx.arange(end), q_pos, kv_start)
     else:
         keys, values = arrays["keys"], arrays["values"]

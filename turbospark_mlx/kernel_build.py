@@ -63,7 +63,18 @@ SPECS: dict[str, KernelSpec] = {
         KernelSpec("tq_quantize", ("x", "rot", "bnd"), ("codes", "norms")),
         KernelSpec(
             "tq_decode_attention",
-            ("q", "k_codes", "k_norms", "v_codes", "v_norms", "k_cent", "v_cent", "k_rot", "prm", "kv_starts"),
+            (
+                "q",
+                "k_codes",
+                "k_norms",
+                "v_codes",
+                "v_norms",
+                "k_cent",
+                "v_cent",
+                "k_rot",
+                "prm",
+                "kv_starts",
+            ),
             ("part_o", "part_ms"),
         ),
         KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot"), ("out",)),
@@ -205,7 +216,10 @@ def metal_source(
 
     src = header
     if template:
-        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in template]
+        kinds = [
+            "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
+            for _, v in template
+        ]
         src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">\n"
     args = []
     index = 0
