@@ -8,7 +8,7 @@
   The query is rotated once per threadgroup inside pass 1 (a Hadamard butterfly
   or a dense product in threadgroup memory) and the output rotated back once per
   row inside the reduce, so one decode call is two kernel launches: on MLX CUDA
-  every extra op costs ~10 us of host time, more than the kernels at 4k.
+  every extra op costs tens of microseconds of host time, more than the kernels at 4k.
 
 `*_unsupported` say why a kernel cannot serve a configuration (None: it can);
 `backend.resolve` turns that into an error or a warned fallback, never a silent one.
@@ -28,7 +28,8 @@ from .quant.turboquant import LayerQuant, SideQuant, quantize_ref
 
 # Threadgroup memory budget of one decode threadgroup (Metal allows 32 KiB in all).
 SHARED_BUDGET = 28 * 1024
-# Enough threadgroups to fill a large GPU (132 SMs on an H200) a couple of times over.
+# Enough threadgroups to fill a large GPU (132 SMs on an H200) a few times over; on the H200
+# larger tiles measured faster at 128k even with fewer groups (benchmarks/results notes).
 TARGET_GROUPS = 512
 
 _ZEROS8 = mx.zeros((8,), mx.float32)
