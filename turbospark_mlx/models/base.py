@@ -25,7 +25,9 @@ class BaseModelArgs:
             name for name, p in fields.items() if p.default is inspect.Parameter.empty and name not in params
         ]
         if missing:
-            raise ValueError(f"{cls.__module__}.{cls.__name__}: config lacks required field(s) {', '.join(missing)}")
+            raise ValueError(
+                f"{cls.__module__}.{cls.__name__}: config lacks required field(s) {', '.join(missing)}"
+            )
         return cls(**{k: v for k, v in params.items() if k in fields})
 
 

@@ -238,7 +238,11 @@ def gguf_config(metadata: dict[str, Any], vocab_size: int) -> dict:
     for key, field in GGUF_CONFIG_KEYS.items():
         if f"gemma3.{key}" in metadata:
             config[field] = _plain(metadata[f"gemma3.{key}"])
-    missing = [f"gemma3.{k}" for k in ("embedding_length", "block_count", "attention.head_count") if f"gemma3.{k}" not in metadata]
+    missing = [
+        f"gemma3.{k}"
+        for k in ("embedding_length", "block_count", "attention.head_count")
+        if f"gemma3.{k}" not in metadata
+    ]
     if missing:
         raise ValueError(f"GGUF metadata lacks {', '.join(missing)}")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
@@ -250,7 +254,10 @@ def gguf_config(metadata: dict[str, Any], vocab_size: int) -> dict:
     config["rope_local_base_freq"] = 10_000.0
     config["sliding_window_pattern"] = 6
     if _plain(metadata.get("gemma3.rope.scaling.type")) == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _plain(metadata["gemma3.rope.scaling.factor"])}
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": _plain(metadata["gemma3.rope.scaling.factor"]),
+        }
     return config
 
 

@@ -74,11 +74,17 @@ class ModelArgs(BaseModelArgs):
                     "rope_theta": 1000000.0,
                     "rope_type": "proportional",
                 },
-                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
+                "sliding_attention": {
+                    "partial_rotary_factor": 1.0,
+                    "rope_theta": 10000.0,
+                    "rope_type": "default",
+                },
             }
         if self.layer_types is None:
             pattern = ["sliding_attention"] * (self.sliding_window_pattern - 1) + ["full_attention"]
-            self.layer_types = (pattern * (self.num_hidden_layers // len(pattern) + 1))[: self.num_hidden_layers]
+            self.layer_types = (pattern * (self.num_hidden_layers // len(pattern) + 1))[
+                : self.num_hidden_layers
+            ]
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise ValueError(
                 f"gemma4: layer_types must list {self.num_hidden_layers} entries from {LAYER_TYPES}, "
@@ -92,9 +98,17 @@ class ModelArgs(BaseModelArgs):
         owners = set(self.layer_types[: self.first_kv_shared])
         for i in range(self.first_kv_shared, self.num_hidden_layers):
             if self.layer_types[i] not in owners:
-                raise ValueError(f"gemma4: KV-shared layer {i} ({self.layer_types[i]}) has no earlier layer to read")
-        if self.enable_moe_block and None in (self.num_experts, self.top_k_experts, self.moe_intermediate_size):
-            raise ValueError("gemma4: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+                raise ValueError(
+                    f"gemma4: KV-shared layer {i} ({self.layer_types[i]}) has no earlier layer to read"
+                )
+        if self.enable_moe_block and None in (
+            self.num_experts,
+            self.top_k_experts,
+            self.moe_intermediate_size,
+        ):
+            raise ValueError(
+                "gemma4: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+            )
 
     @property
     def first_kv_shared(self) -> int:
@@ -263,7 +277,11 @@ class Model(nn.Module):
         # mlx-lm's renaming (expert splits, dropped rotary/clip tensors), then
         # drop K/V projections of KV-shared layers, which older mlx-lm keeps.
         weights = _mlx_gemma4.Model.sanitize(self, weights)
-        shared = tuple(f"layers.{i}.self_attn.{p}" for i in range(self.args.first_kv_shared, self.args.num_hidden_layers) for p in ("k_proj.", "v_proj.", "k_norm."))
+        shared = tuple(
+            f"layers.{i}.self_attn.{p}"
+            for i in range(self.args.first_kv_shared, self.args.num_hidden_layers)
+            for p in ("k_proj.", "v_proj.", "k_norm.")
+        )
         return {k: v for k, v in weights.items() if not any(s in k for s in shared)}
 
     @property
@@ -276,5 +294,7 @@ class Model(nn.Module):
         for i in range(a.num_hidden_layers):
             owner = a.kv_owner(i)
             window = a.sliding_window if a.layer_types[i] == "sliding_attention" else None
-            specs.append(LayerSpec(*a.layer_kv_shape(i), window=window, shared_from=None if owner == i else owner))
+            specs.append(
+                LayerSpec(*a.layer_kv_shape(i), window=window, shared_from=None if owner == i else owner)
+            )
         return specs

@@ -95,7 +95,9 @@ class AttentionBlock(nn.Module):
         v = self.v_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
         q = self.rope(q, offset=position)
         k = self.rope(k, offset=position)
-        out = cached_attention(cache, self.layer_idx, q, k, v, position, scale=self.sm_scale, sinks=self.sinks)
+        out = cached_attention(
+            cache, self.layer_idx, q, k, v, position, scale=self.sm_scale, sinks=self.sinks
+        )
         return self.o_proj(out.swapaxes(1, 2).reshape(B, L, -1))
 
 
@@ -145,7 +147,9 @@ class Model(nn.Module):
         want = (self.args.num_attention_heads,)
         for k, v in weights.items():
             if k.endswith("self_attn.sinks") and tuple(v.shape) != want:
-                raise ValueError(f"gpt_oss: {k} has shape {tuple(v.shape)}, expected {want} (one per query head)")
+                raise ValueError(
+                    f"gpt_oss: {k} has shape {tuple(v.shape)}, expected {want} (one per query head)"
+                )
         return weights
 
     @property
@@ -160,6 +164,10 @@ class Model(nn.Module):
     def kv_layer_specs(self) -> list[LayerSpec]:
         a = self.args
         return [
-            LayerSpec(a.num_key_value_heads, a.head_dim, window=a.sliding_window if t == "sliding_attention" else None)
+            LayerSpec(
+                a.num_key_value_heads,
+                a.head_dim,
+                window=a.sliding_window if t == "sliding_attention" else None,
+            )
             for t in a.layer_types
         ]

@@ -66,11 +66,15 @@ class ModelArgs(BaseModelArgs):
             )
         if self.layer_rope_theta is None:
             # Global layers run NoPE (theta 0).
-            self.layer_rope_theta = [0 if t == "full_attention" else self.rope_theta for t in self.layer_types]
+            self.layer_rope_theta = [
+                0 if t == "full_attention" else self.rope_theta for t in self.layer_types
+            ]
         if len(self.layer_rope_theta) != self.num_hidden_layers:
             raise ValueError(f"muse_glimmer: layer_rope_theta must list {self.num_hidden_layers} entries")
         if self.hidden_activation != "silu":
-            raise ValueError(f"muse_glimmer: hidden_activation {self.hidden_activation!r} is not supported (silu)")
+            raise ValueError(
+                f"muse_glimmer: hidden_activation {self.hidden_activation!r} is not supported (silu)"
+            )
 
 
 class CenteredRMSNorm(nn.Module):
@@ -211,6 +215,10 @@ class Model(nn.Module):
     def kv_layer_specs(self) -> list[LayerSpec]:
         a = self.args
         return [
-            LayerSpec(a.num_key_value_heads, a.head_dim, window=a.sliding_window if t == "sliding_attention" else None)
+            LayerSpec(
+                a.num_key_value_heads,
+                a.head_dim,
+                window=a.sliding_window if t == "sliding_attention" else None,
+            )
             for t in a.layer_types
         ]
