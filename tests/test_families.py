@@ -183,6 +183,16 @@ def test_gpt_oss_mxfp4_checkpoint_loads_and_matches_mlx_lm(tmp_path):
     assert experts.gate_proj.mode == "mxfp4" and experts.gate_proj.weight.dtype == mx.uint32
     x = _tokens()
     assert mx.allclose(model(x), ref_q(x), atol=PARITY_ATOL, rtol=0).item()
+    # mlx-community's layout: already split and renamed, "quantization" in the config.
+    community = tmp_path / "community"
+    community.mkdir()
+    mx.save_safetensors(str(community / "model.safetensors"), dict(tree_flatten(ref_q.parameters())))
+    (community / "config.json").write_text(
+        json.dumps({**CONFIGS["gpt_oss"], "quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}})
+    )
+    reloaded, _ = load_model(community, get_model_classes=lambda config: (mine.Model, mine.ModelArgs))
+    assert reloaded.layers[1].mlp.experts.down_proj.mode == "mxfp4"
+    assert mx.array_equal(reloaded(x), model(x)).item()
     # The MXFP4 model on tq4 decodes like its own chunked prefill.
     a = model(x, cache=make_cache(model, "tq4"))
     c = make_cache(model, "tq4")
