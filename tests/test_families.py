@@ -273,6 +273,17 @@ def test_preset_compressing_a_sliding_layer_is_an_error(family):
         make_cache(model, bad)
 
 
+@pytest.mark.parametrize("policy", [{"quantize_layers": (2, 5)}, {"fp16_layers": (5,)}])
+def test_preset_naming_a_gemma4_shared_layer_is_an_error(policy):
+    # Layer 5 reads layer 2's KV: naming it would silently do nothing.
+    _, model = pair("gemma4_text")
+    with pytest.raises(
+        ValueError, match="names layer 5, which reads layer 2's KV .* name the owner, layer 2"
+    ):
+        make_cache(model, TurboQuantConfig("bad", 4, 4, **policy))
+    assert make_cache(model, TurboQuantConfig("ok", 4, 4, quantize_layers=(2,))).layer_quant(5) is not None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "sliding_window"])
 def test_missing_config_field_is_named(family, field):
@@ -347,3 +358,29 @@ def test_generation_2k_past_window_tq4_bounded_memory(family):
     # attention dequantizes one layer's history to float32 (with index temporaries)
     # at a time; nothing scales with the number of layers or keeps an FP16 shadow.
     assert peak < cache.nbytes + cache.stage.nbytes + 3 * largest + 2**18
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_multimodal_wrappers_drop_towers_and_match_mlx_lm(family):
+    import importlib
+
+    text = f"{family}_text"
+    mine = importlib.import_module(f"turbospark_mlx.models.{family}")
+    ref_mod = importlib.import_module(f"mlx_lm.models.{family}")
+    config = {"model_type": family, "vocab_size": 128, "text_config": dict(CONFIGS[text])}
+    ref = ref_mod.Model(ref_mod.ModelArgs.from_dict(json.loads(json.dumps(config))))
+    model = mine.Model(mine.ModelArgs.from_dict(json.loads(json.dumps(config))))
+    _, donor = pair(text)  # random text weights, renamed the way the checkpoints nest them
+    prefix = "language_model." if family == "gemma3" else "model.language_model."
+    weights = {}
+    for k, v in tree_flatten(donor.parameters()):
+        k = k.removeprefix("model.") if family == "gemma4" else k
+        weights[prefix + k] = v
+    weights["vision_tower.patch.weight"] = mx.zeros((2, 2))
+    ref.load_weights(list(ref.sanitize(dict(weights)).items()))
+    model.load_weights(list(model.sanitize(dict(weights)).items()))
+    x = _tokens()
+    assert mx.allclose(model(x), ref(x), atol=PARITY_ATOL, rtol=0).item()
+    assert [s.window for s in model.kv_layer_specs()] == [s.window for s in donor.kv_layer_specs()]
+    with pytest.raises(ValueError, match="lacks required field.*text_config"):
+        mine.ModelArgs.from_dict({"model_type": family})
