@@ -163,6 +163,12 @@ class KvCacheManager:
         for i, spec in enumerate(self.specs):
             self._check_spec(i, spec)
             if spec.shared_from is not None:
+                # The owner's compression applies; a policy naming the reader would be a silent no-op.
+                if i in set(self.config.fp16_layers) | set(self.config.quantize_layers or ()):
+                    raise ValueError(
+                        f"preset {self.config.name!r} names layer {i}, which reads layer {spec.shared_from}'s "
+                        f"KV and owns none: name the owner, layer {spec.shared_from}"
+                    )
                 continue
             sliding = spec.window is not None
             quant = None

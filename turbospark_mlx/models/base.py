@@ -15,8 +15,19 @@ from ..cache import KvCacheManager, commit_kv, kv_write_target
 class BaseModelArgs:
     @classmethod
     def from_dict(cls, params: dict):
-        """Build from an HF config dict, ignoring keys this family does not use."""
+        """Build from an HF config dict, ignoring keys this family does not use.
+
+        A field without a default that the config lacks is a ValueError naming it
+        (a silent default would build a model of the wrong shape).
+        """
         fields = inspect.signature(cls).parameters
+        missing = [
+            name for name, p in fields.items() if p.default is inspect.Parameter.empty and name not in params
+        ]
+        if missing:
+            raise ValueError(
+                f"{cls.__module__}.{cls.__name__}: config lacks required field(s) {', '.join(missing)}"
+            )
         return cls(**{k: v for k, v in params.items() if k in fields})
 
 

@@ -1,0 +1,53 @@
+"""Gemma 3 multimodal checkpoints, text only: a thin wrapper around gemma3_text.
+
+The vision tower and projector weights are dropped; the language model runs
+on the TurboQuant cache exactly as `gemma3_text` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gemma3 as _mlx_gemma3
+
+from ..cache import KvCacheManager, LayerSpec
+from . import gemma3_text
+from .base import BaseModelArgs
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    text_config: dict
+    model_type: str = "gemma3"
+    vocab_size: int = 262208
+
+    def __post_init__(self):
+        # The multimodal configs leave these to HF's Gemma3TextConfig defaults.
+        self.text_config = {"num_attention_heads": 8, "num_key_value_heads": 4, **self.text_config}
+        self.text_config["vocab_size"] = self.vocab_size
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.language_model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(args.text_config))
+
+    def __call__(
+        self, inputs: mx.array, cache: KvCacheManager | None = None, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        # mlx-lm's: drop vision_tower / multi_modal_projector, sanitize the language model.
+        return _mlx_gemma3.Model.sanitize(self, weights)
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        return self.language_model.kv_layer_specs()

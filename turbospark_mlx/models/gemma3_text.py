@@ -1,0 +1,285 @@
+"""Gemma 3 (text) on the TurboQuant KV cache.
+
+Five sliding-window layers to one global layer: the sliding layers are FP16
+rings bounded by the window, the global layers are what a TurboQuant preset
+compresses. q/k RMSNorm, `query_pre_attn_scalar`, embeddings scaled by
+sqrt(hidden), (1 + w) norms, GELU-tanh MLP, separate local and global RoPE
+bases. The MLP, norm and residual clip are mlx-lm's own (same parameter
+names, same math); attention goes through the cache's write path.
+
+Also loads from GGUF (llama.cpp's `gemma3` architecture): `gguf_config` and
+`sanitize_gguf` turn a GGUF file's metadata and tensors into this file's
+config and parameter names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gemma3_text import MLP, RMSNorm, clip_residual
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..cache import KvCacheManager, LayerSpec
+from .base import BaseModelArgs, cache_for_call, cached_attention
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    sliding_window: int
+    head_dim: int = 256  # HF's default, which multimodal configs rely on
+    model_type: str = "gemma3_text"
+    rms_norm_eps: float = 1.0e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    query_pre_attn_scalar: float = 256
+    sliding_window_pattern: int = 6
+    max_position_embeddings: int = 32768
+    rope_scaling: dict | None = None
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"gemma3: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.sliding_window_pattern < 1 or self.sliding_window < 1:
+            raise ValueError("gemma3: sliding_window and sliding_window_pattern must be >= 1")
+
+    def is_sliding(self, layer: int) -> bool:
+        # Every sliding_window_pattern-th layer is global; the rest slide.
+        return (layer + 1) % self.sliding_window_pattern != 0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.layer_idx = layer_idx
+        self.scale = args.query_pre_attn_scalar**-0.5
+
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(dims=head_dim, eps=args.rms_norm_eps)
+        self.k_norm = RMSNorm(dims=head_dim, eps=args.rms_norm_eps)
+
+        self.is_sliding = args.is_sliding(layer_idx)
+        if self.is_sliding:
+            self.rope = initialize_rope(head_dim, base=args.rope_local_base_freq, traditional=False)
+        else:
+            self.rope = initialize_rope(
+                head_dim,
+                base=args.rope_theta,
+                traditional=False,
+                max_position_embeddings=args.max_position_embeddings,
+                scaling_config=args.rope_scaling,
+            )
+
+    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+        B, L, _ = x.shape
+        position = cache.layer_offset(self.layer_idx)
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(self.q_norm(q), offset=position)
+        k = self.rope(self.k_norm(k), offset=position)
+        out = cached_attention(cache, self.layer_idx, q, k, v, position, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+        r = self.self_attn(self.input_layernorm(x), cache)
+        h = clip_residual(x, self.post_attention_layernorm(r))
+        r = self.mlp(self.pre_feedforward_layernorm(h))
+        return clip_residual(h, self.post_feedforward_layernorm(r))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self, inputs: mx.array, cache: KvCacheManager, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        # The sqrt(hidden) scale is rounded through bfloat16, as Gemma was trained.
+        h *= mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Gemma3Model(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_word_embeddings = False
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: KvCacheManager | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        cache = cache_for_call(self, cache, inputs)
+        out = self.model(inputs, cache, input_embeddings)
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        # Gemma 3 checkpoints tie the output head to the embeddings.
+        if "lm_head.weight" not in weights:
+            self.tie_word_embeddings = True
+            if "lm_head" in self:
+                self.pop("lm_head")
+        return weights
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        a = self.args
+        return [
+            LayerSpec(a.num_key_value_heads, a.head_dim, window=a.sliding_window if a.is_sliding(i) else None)
+            for i in range(a.num_hidden_layers)
+        ]
+
+
+# -- GGUF (llama.cpp `gemma3` architecture) -------------------------------------
+
+# llama.cpp tensor name -> this file's parameter name; "{i}" is the layer index.
+GGUF_TENSOR_MAP: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
+
+# convert_hf_to_gguf.py stores Gemma 3's (1 + w) norm weights with the 1 added;
+# this file's RMSNorm adds it itself, so it is taken off again on load.
+GGUF_NORM_SHIFT = 1.0
+
+# GGUF metadata key (after "gemma3.") -> config field.
+GGUF_CONFIG_KEYS: dict[str, str] = {
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "context_length": "max_position_embeddings",
+}
+
+
+def _plain(value: Any) -> Any:
+    """A GGUF metadata value as a Python scalar (mx.load gives 0-d arrays for numbers)."""
+    return value.item() if isinstance(value, mx.array) and value.ndim == 0 else value
+
+
+def gguf_config(metadata: dict[str, Any], vocab_size: int) -> dict:
+    """A gemma3_text config dict from a GGUF file's metadata.
+
+    vocab_size is the row count of `token_embd` (llama.cpp drops the unused rows).
+    Values llama.cpp does not store are the ones it assumes for gemma3: local
+    RoPE base 10000, 5 local : 1 global layers, and query_pre_attn_scalar =
+    hidden / heads on the 62-layer (27B) model, head_dim otherwise.
+    """
+    arch = _plain(metadata.get("general.architecture"))
+    if arch != "gemma3":
+        raise ValueError(f"GGUF architecture is {arch!r}, expected 'gemma3'")
+    config: dict[str, Any] = {"model_type": "gemma3_text", "vocab_size": int(vocab_size)}
+    for key, field in GGUF_CONFIG_KEYS.items():
+        if f"gemma3.{key}" in metadata:
+            config[field] = _plain(metadata[f"gemma3.{key}"])
+    missing = [
+        f"gemma3.{k}"
+        for k in ("embedding_length", "block_count", "attention.head_count")
+        if f"gemma3.{k}" not in metadata
+    ]
+    if missing:
+        raise ValueError(f"GGUF metadata lacks {', '.join(missing)}")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    if config["num_hidden_layers"] == 62:
+        config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        config["query_pre_attn_scalar"] = config["head_dim"]
+    config["rope_local_base_freq"] = 10_000.0
+    config["sliding_window_pattern"] = 6
+    if _plain(metadata.get("gemma3.rope.scaling.type")) == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": _plain(metadata["gemma3.rope.scaling.factor"]),
+        }
+    return config
+
+
+def gguf_name(name: str) -> str:
+    """This file's parameter name for a llama.cpp tensor name (suffix .weight/.scales/.biases kept)."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) >= 3:
+        key, i = "blk.{i}." + ".".join(parts[2:]), parts[1]
+    else:
+        key, i = base, None
+    if key not in GGUF_TENSOR_MAP:
+        raise ValueError(f"GGUF tensor {name!r} has no gemma3 mapping")
+    return f"{GGUF_TENSOR_MAP[key].format(i=i)}.{suffix}"
+
+
+def sanitize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Rename llama.cpp tensors to this file's names and undo the norm shift."""
+    out = {}
+    for name, value in weights.items():
+        new = gguf_name(name)
+        if new.endswith("norm.weight"):
+            value = value - GGUF_NORM_SHIFT
+        out[new] = value
+    return out
