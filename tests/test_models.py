@@ -54,9 +54,7 @@ def model_pair(name: str):
     Model, Args = get_model_classes(config["model_type"])
     ours = Model(Args.from_dict(config))
     # Widen the random init so the layers do real work (the default init is near-identity).
-    ref.update(
-        nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, ref.parameters())
-    )
+    ref.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, ref.parameters()))
     ours.load_weights(tree_flatten(ref.parameters()), strict=True)
     mx.eval(ref.parameters(), ours.parameters())
     return ours, ref

@@ -72,8 +72,12 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
         B, L, _ = x.shape
         # The per-head norm is part of finishing K, before RoPE and the cache write.
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)  # (B, Hq, L, D)
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)  # (B, Hkv, L, D)
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(
+            0, 2, 1, 3
+        )  # (B, Hq, L, D)
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(
+            0, 2, 1, 3
+        )  # (B, Hkv, L, D)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
 
         # RoPE offset is this layer's committed length, read before the write.
