@@ -140,6 +140,27 @@ def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_rope_factors(config) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3 scaling as rope_freqs."""
+    sc, d = config["rope_scaling"], config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    low_wl = sc["original_max_position_embeddings"] / sc["low_freq_factor"]
+    high_wl = sc["original_max_position_embeddings"] / sc["high_freq_factor"]
+    factors = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        if wl < high_wl:
+            factors.append(1.0)
+        elif wl > low_wl:
+            factors.append(sc["factor"])
+        else:
+            smooth = (sc["original_max_position_embeddings"] / wl - sc["low_freq_factor"]) / (
+                sc["high_freq_factor"] - sc["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / sc["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(path, model, config, arch, qtype=None):
     """A GGUF holding `model`'s weights under llama.cpp names (F32, or `qtype` for 2-D weights)."""
     spec = GGUF_ARCHITECTURES[arch]
@@ -160,6 +181,8 @@ def write_gguf(path, model, config, arch, qtype=None):
     if "head_dim" in config:
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
+    if "rope_scaling" in config:
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(config))
     for name, a in tree_flatten(model.parameters()):
         stem, part = name.rsplit(".", 1)
         a = np.array(a.astype(mx.float32))
@@ -182,12 +205,26 @@ def write_gguf(path, model, config, arch, qtype=None):
 QWEN3 = dict(CONFIG, model_type="qwen3", head_dim=32, rope_theta=1000000.0)
 
 
-@pytest.mark.parametrize("arch,config", [("llama", CONFIG), ("qwen3", QWEN3)])
+LLAMA31 = dict(
+    CONFIG,
+    max_position_embeddings=256,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+)
+
+
+@pytest.mark.parametrize("arch,config", [("llama", CONFIG), ("llama", LLAMA31), ("qwen3", QWEN3)])
 def test_gguf_float_weights_map_back_exactly(tmp_path, arch, config):
     model = random_model(config)
     loaded, meta = load_gguf_model(write_gguf(tmp_path / "m.gguf", model, config, arch), dtype=mx.float32)
     assert meta["general.architecture"] == arch
-    x = prompt_ids()
+    x = prompt_ids(60)  # past original_max_position_embeddings, where llama3 scaling matters
     err = mx.abs(loaded(x) - model(x)).max().item()
     assert err < 1e-5, err
 
@@ -199,7 +236,9 @@ def test_gguf_quantized_weights(tmp_path, qtype):
     The oracle holds the weights the gguf package itself round-trips through `qtype`.
     """
     model = random_model()
-    loaded, _ = load_gguf_model(write_gguf(tmp_path / "q.gguf", model, CONFIG, "llama", qtype), dtype=mx.float32)
+    loaded, _ = load_gguf_model(
+        write_gguf(tmp_path / "q.gguf", model, CONFIG, "llama", qtype), dtype=mx.float32
+    )
     packed = isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert packed == (qtype == gguf.GGMLQuantizationType.Q8_0)
 
