@@ -225,19 +225,15 @@ def stream_generate(
             finish = "stop"
         else:
             detok.add_token(token)
-            text = detok.text
-            cut = min(
-                (i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0), default=-1
-            )
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-        if finish is None and n >= max_tokens:
-            finish = "length"
+            if n >= max_tokens:
+                finish = "length"
         if finish is not None:
-            detok.finalize()
-            if not (stops and finish == "stop") and token not in stop_ids:
-                text = detok.text
-        else:
+            detok.finalize()  # flush bytes held back for an incomplete character
+        text = detok.text
+        hits = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
+        if hits:
+            text, finish = text[: min(hits)], "stop"
+        if finish is None:
             history = mx.concatenate([history, y.reshape(1)])
             y = pick(model(y.reshape(1, 1), cache=cache)[:, -1, :])
             mx.async_eval(y)  # compute the next token while this one is handed out
