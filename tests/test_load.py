@@ -335,3 +335,13 @@ def test_generate_on_tiny_model(tmp_path):
         model, tok, prompt, kv="tq4", max_tokens=8, temperature=1.0, top_k=20, seed=7, stop_tokens=[]
     )
     assert a == b
+
+
+def test_generate_takes_a_config_object(tmp_path):
+    """kv= takes a TurboQuantConfig too; its layer policy shapes the cache generation uses."""
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    config = ts.PRESETS["tq3"].with_(fp16_first=1)
+    last = list(ts.stream_generate(model, tok, "w1 w2", kv=config, max_tokens=3, stop_tokens=[]))[-1]
+    assert last.kv == config.name and last.generation_tokens == 3
+    cache = ts.make_cache(model, kv=config)
+    assert cache.layer_quant(0) is None and cache.layer_quant(1).k.bits == 3
