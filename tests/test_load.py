@@ -219,7 +219,12 @@ LLAMA31 = dict(
 )
 
 
-@pytest.mark.parametrize("arch,config", [("llama", CONFIG), ("llama", LLAMA31), ("qwen3", QWEN3)])
+QWEN2 = dict(CONFIG, model_type="qwen2", rope_theta=1000000.0)  # Q/K/V biases: attn_q.bias, ...
+
+
+@pytest.mark.parametrize(
+    "arch,config", [("llama", CONFIG), ("llama", LLAMA31), ("qwen2", QWEN2), ("qwen3", QWEN3)]
+)
 def test_gguf_float_weights_map_back_exactly(tmp_path, arch, config):
     model = random_model(config)
     loaded, meta = load_gguf_model(write_gguf(tmp_path / "m.gguf", model, config, arch), dtype=mx.float32)
