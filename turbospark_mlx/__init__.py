@@ -11,6 +11,8 @@ from .cache import (
     make_cache,
     store_kv,
 )
+from .generate import GenerationResponse, generate, stream_generate
+from .load import load
 from .quant import PRESETS, LayerQuant, SideQuant, TurboQuantConfig, get_preset
 
 __version__ = "0.1.0"
@@ -26,6 +28,10 @@ __all__ = [
     "TurboQuantConfig",
     "attention_any",
     "commit_kv",
+    "GenerationResponse",
+    "generate",
+    "load",
+    "stream_generate",
     "get_preset",
     "kv_write_target",
     "make_cache",

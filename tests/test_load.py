@@ -1,0 +1,352 @@
+"""Loading: HF directories (plain, sharded, MLX-quantized), HF repo ids from the local cache,
+GGUF files built here from known weights (llama with llama.cpp's Q/K row order, qwen3),
+and clear errors on bad input."""
+
+import json
+import shutil
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import turbospark_mlx as ts
+from turbospark_mlx.load import GGUF_ARCHITECTURES, load_gguf_model, unpermute_rows
+from turbospark_mlx.models import get_model_classes
+
+VOCAB = 64
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    eos_token_id=2,
+)
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
+
+
+def random_model(config=CONFIG, seed=0):
+    mx.random.seed(seed)
+    Model, Args = get_model_classes(config["model_type"])
+    model = Model(Args.from_dict(config))
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def write_tokenizer(path):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+            }
+        )
+    )
+
+
+def write_hf_dir(path, model, config=CONFIG, shards=1):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = dict(tree_flatten(model.parameters()))
+    names = sorted(weights)
+    if shards == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+    else:
+        weight_map = {}
+        for k in range(shards):
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: weights[n] for n in names[k::shards]}
+            mx.save_safetensors(str(path / fname), part)
+            weight_map.update({n: fname for n in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_tokenizer(path)
+    return path
+
+
+def prompt_ids(n=12, seed=1):
+    return mx.array(np.random.default_rng(seed).integers(3, VOCAB, size=(1, n)))
+
+
+def test_hf_dir_round_trip(tmp_path):
+    model = random_model()
+    loaded, tok = ts.load(write_hf_dir(tmp_path / "m", model))
+    x = prompt_ids()
+    assert mx.array_equal(loaded(x), model(x)).item()
+    assert tok.encode("w1 w2 w3", add_special_tokens=False) == [4, 5, 6]
+    assert 2 in tok.eos_token_ids
+
+
+def test_hf_dir_sharded_and_missing_shard(tmp_path):
+    model = random_model()
+    path = write_hf_dir(tmp_path / "m", model, shards=3)
+    loaded, _ = ts.load(path)
+    x = prompt_ids()
+    assert mx.array_equal(loaded(x), model(x)).item()
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003"):
+        ts.load(path)
+
+
+def test_hf_dir_mlx_quantized(tmp_path):
+    """Weights quantized as mlx-community publishes them: packed weights + config's quantization block."""
+    model = random_model()
+    nn.quantize(model, group_size=32, bits=4)
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    loaded, _ = ts.load(write_hf_dir(tmp_path / "q", model, config))
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    x = prompt_ids()
+    assert mx.array_equal(loaded(x), model(x)).item()
+
+
+def test_repo_id_from_offline_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    model = random_model()
+    cache = tmp_path / "hub"
+    snap = cache / "models--tiny-org--tiny-llama" / "snapshots" / ("a" * 40)
+    write_hf_dir(snap, model)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    loaded, _ = ts.load("tiny-org/tiny-llama")
+    x = prompt_ids()
+    assert mx.array_equal(loaded(x), model(x)).item()
+    with pytest.raises(FileNotFoundError, match="tiny-org/absent"):
+        ts.load("tiny-org/absent")
+
+
+# -- GGUF ------------------------------------------------------------------------------
+
+
+def permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: HF half-split rows -> interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_rope_factors(config) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3 scaling as rope_freqs."""
+    sc, d = config["rope_scaling"], config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    low_wl = sc["original_max_position_embeddings"] / sc["low_freq_factor"]
+    high_wl = sc["original_max_position_embeddings"] / sc["high_freq_factor"]
+    factors = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        if wl < high_wl:
+            factors.append(1.0)
+        elif wl > low_wl:
+            factors.append(sc["factor"])
+        else:
+            smooth = (sc["original_max_position_embeddings"] / wl - sc["low_freq_factor"]) / (
+                sc["high_freq_factor"] - sc["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / sc["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(path, model, config, arch, qtype=None):
+    """A GGUF holding `model`'s weights under llama.cpp names (F32, or `qtype` for 2-D weights)."""
+    spec = GGUF_ARCHITECTURES[arch]
+    reverse = {}
+    for stem, hf in spec.tensors.items():
+        for i in range(config["num_hidden_layers"]):
+            reverse[hf.format(i=i)] = stem.format(i=i)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_vocab_size(config["vocab_size"])
+    if "head_dim" in config:
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    if "rope_scaling" in config:
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(config))
+    for name, a in tree_flatten(model.parameters()):
+        stem, part = name.rsplit(".", 1)
+        a = np.array(a.astype(mx.float32))
+        if spec.permute_qk and stem.endswith(("q_proj", "k_proj")):
+            heads = (
+                config["num_attention_heads"] if stem.endswith("q_proj") else config["num_key_value_heads"]
+            )
+            a = permute_like_llama_cpp(a, heads)
+        if qtype is not None and a.ndim == 2:
+            w.add_tensor(f"{reverse[stem]}.{part}", gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{reverse[stem]}.{part}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+QWEN3 = dict(CONFIG, model_type="qwen3", head_dim=32, rope_theta=1000000.0)
+
+
+LLAMA31 = dict(
+    CONFIG,
+    max_position_embeddings=256,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+)
+
+
+QWEN2 = dict(CONFIG, model_type="qwen2", rope_theta=1000000.0)  # Q/K/V biases: attn_q.bias, ...
+
+
+@pytest.mark.parametrize(
+    "arch,config", [("llama", CONFIG), ("llama", LLAMA31), ("qwen2", QWEN2), ("qwen3", QWEN3)]
+)
+def test_gguf_float_weights_map_back_exactly(tmp_path, arch, config):
+    model = random_model(config)
+    loaded, meta = load_gguf_model(write_gguf(tmp_path / "m.gguf", model, config, arch), dtype=mx.float32)
+    assert meta["general.architecture"] == arch
+    x = prompt_ids(60)  # past original_max_position_embeddings, where llama3 scaling matters
+    err = mx.abs(loaded(x) - model(x)).max().item()
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0])
+def test_gguf_quantized_weights(tmp_path, qtype):
+    """Q8_0 stays packed (mx.load reads it); Q5_0 goes through the gguf package's dequantizer.
+
+    The oracle holds the weights the gguf package itself round-trips through `qtype`.
+    """
+    model = random_model()
+    loaded, _ = load_gguf_model(
+        write_gguf(tmp_path / "q.gguf", model, CONFIG, "llama", qtype), dtype=mx.float32
+    )
+    packed = isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert packed == (qtype == gguf.GGMLQuantizationType.Q8_0)
+
+    def round_trip(a):
+        if a.ndim != 2:
+            return a
+        q = gguf.quants.quantize(np.array(a), qtype)
+        return mx.array(gguf.quants.dequantize(q, qtype).reshape(a.shape))
+
+    model.update(nn.utils.tree_map(round_trip, model.parameters()))
+    x = prompt_ids()
+    want = model(x)
+    err = mx.abs(loaded(x) - want).max().item()
+    assert err < 1e-3 * mx.abs(want).max().item(), err
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 4 * 3, dtype=np.float32).reshape(32, 3)
+    assert np.array_equal(np.array(unpermute_rows(mx.array(permute_like_llama_cpp(w, 4)), 4)), w)
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        ts.load(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="neither a file"):
+        ts.load(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ts.load(tmp_path / "empty")
+    d = tmp_path / "noweights"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ts.load(d)
+
+
+def test_unsupported_family_names_supported(tmp_path):
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"'bert' is not supported.*llama.*qwen2.*qwen3"):
+        ts.load(d)
+
+
+def test_corrupted_gguf(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", random_model(), CONFIG, "llama")
+    data = path.read_bytes()
+    (tmp_path / "trunc.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        ts.load(tmp_path / "trunc.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        ts.load(tmp_path / "junk.gguf")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    prompt = " ".join(["w5"] * 70)  # 70 tokens, the model's context is 64
+    with pytest.raises(ValueError, match="context of 64"):
+        ts.generate(model, tok, prompt, kv="tq4", max_tokens=4)
+    with pytest.raises(ValueError, match="context of 64"):
+        ts.generate(model, tok, " ".join(["w5"] * 60), kv="tq4", max_tokens=8)
+
+
+def test_generate_on_tiny_model(tmp_path):
+    """Greedy generate equals argmax steps of the model with the same cache preset; stop strings cut text."""
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    prompt = "w1 w2 w3 w4 w5"
+    ids = tok.encode(prompt)
+    responses = list(ts.stream_generate(model, tok, prompt, kv="k8v4", max_tokens=6, stop_tokens=[]))
+    cache = ts.make_cache(model, kv="k8v4")
+    x, want = mx.array([ids]), []
+    for _ in range(6):
+        nxt = mx.argmax(model(x, cache=cache)[0, -1]).item()
+        want.append(nxt)
+        x = mx.array([[nxt]])
+    assert [r.token for r in responses] == want
+    last = responses[-1]
+    assert last.finish_reason == "length" and last.generation_tokens == 6 and last.prompt_tokens == len(ids)
+    assert 0 < last.kv_bytes < last.kv_fp16_bytes
+    text = "".join(r.text for r in responses)
+    assert text == tok.decode(want)
+    # a stop string ends generation before it; sampling with a seed repeats
+    word = tok.decode(want[2:3]).strip()
+    cut = ts.generate(model, tok, prompt, kv="k8v4", max_tokens=6, stop_tokens=[], stop=[word])
+    assert word not in cut and text.startswith(cut)
+    a = ts.generate(
+        model, tok, prompt, kv="tq4", max_tokens=8, temperature=1.0, top_k=20, seed=7, stop_tokens=[]
+    )
+    b = ts.generate(
+        model, tok, prompt, kv="tq4", max_tokens=8, temperature=1.0, top_k=20, seed=7, stop_tokens=[]
+    )
+    assert a == b
+
+
+def test_generate_takes_a_config_object(tmp_path):
+    """kv= takes a TurboQuantConfig too; its layer policy shapes the cache generation uses."""
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    config = ts.PRESETS["tq3"].with_(fp16_first=1)
+    last = list(ts.stream_generate(model, tok, "w1 w2", kv=config, max_tokens=3, stop_tokens=[]))[-1]
+    assert last.kv == config.name and last.generation_tokens == 3
+    cache = ts.make_cache(model, kv=config)
+    assert cache.layer_quant(0) is None and cache.layer_quant(1).k.bits == 3

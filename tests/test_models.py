@@ -1,0 +1,142 @@
+"""Each family vs mlx-lm's implementation of it: same tiny random config, same weights.
+
+Full forward and token-by-token cached decode on an FP16 cache; plus chunked
+prefill vs one-token steps on a TurboQuant cache, and the registry's errors.
+"""
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import turbospark_mlx as ts
+from turbospark_mlx.models import MODEL_REMAPPING, get_model_classes, supported_model_types
+
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=128,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "llama": dict(
+        BASE,
+        model_type="llama",
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "mistral": dict(BASE, model_type="mistral", rope_theta=10000.0, tie_word_embeddings=True),
+    "qwen2": dict(BASE, model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3": dict(BASE, model_type="qwen3", head_dim=32, rope_theta=1000000.0),
+}
+MLX_LM_NAME = {"mistral": "llama"}
+
+
+def model_pair(name: str):
+    """Our model and mlx-lm's, built from one config and holding the same random float32 weights."""
+    config = CONFIGS[name]
+    ref_mod = importlib.import_module(f"mlx_lm.models.{MLX_LM_NAME.get(name, name)}")
+    ref = ref_mod.Model(ref_mod.ModelArgs.from_dict(config))
+    Model, Args = get_model_classes(config["model_type"])
+    ours = Model(Args.from_dict(config))
+    # Widen the random init so the layers do real work (the default init is near-identity).
+    ref.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, ref.parameters()))
+    ours.load_weights(tree_flatten(ref.parameters()), strict=True)
+    mx.eval(ref.parameters(), ours.parameters())
+    return ours, ref
+
+
+def tokens(n: int, vocab: int = 128, seed: int = 1) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, vocab, size=(1, n)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_forward_matches_mlx_lm(name):
+    ours, ref = model_pair(name)
+    x = tokens(40)
+    want = ref(x)
+    got = ours(x)
+    assert got.shape == want.shape == (1, 40, 128)
+    # Our uncached call still writes K/V through an FP16 cache (mlx-lm's stays float32):
+    # float16 rounding of K/V bounds the difference; a wrong layer is off by O(1).
+    err = mx.abs(got - want).max().item()
+    assert err < 2e-3 * max(1.0, mx.abs(want).max().item()), err
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decode_matches_mlx_lm(name):
+    """Prefill 9 tokens, then decode 1 token at a time with the FP16 cache; mlx-lm does the same with its KVCache."""
+    ours, ref = model_pair(name)
+    x = tokens(24, seed=2)
+    cache = ts.make_cache(ours, kv="fp16", max_rows=16)
+    ref_cache = ref.make_cache() if hasattr(ref, "make_cache") else None
+    if ref_cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        ref_cache = make_prompt_cache(ref)
+    got = [ours(x[:, :9], cache=cache)]
+    want = [ref(x[:, :9], cache=ref_cache)]
+    for t in range(9, 24):
+        got.append(ours(x[:, t : t + 1], cache=cache))
+        want.append(ref(x[:, t : t + 1], cache=ref_cache))
+    got, want = mx.concatenate(got, axis=1), mx.concatenate(want, axis=1)
+    assert cache.offset == 24
+    # The FP16 cache rounds K/V to float16 (mlx-lm's keeps float32): a bound of that size.
+    err = mx.abs(got - want).max().item()
+    assert err < 2e-3 * max(1.0, mx.abs(want).max().item()), err
+    # and decoding against the cache equals the full forward pass of our own model.
+    full = ours(x)
+    assert mx.abs(got - full).max().item() < 1e-4 * max(1.0, mx.abs(full).max().item())
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("kv", ["tq4", "k4v3"])
+def test_chunked_prefill_matches_token_steps_on_turboquant_cache(name, kv):
+    """Chunks of 1, 7 and 512 rows give the logits of one-token steps (a TurboQuant layer reads its new rows back from codes)."""
+    ours, _ = model_pair(name)
+    n = 530
+    x = tokens(n, seed=3)
+
+    def run(chunk: int) -> mx.array:
+        cache = ts.make_cache(ours, kv=kv, max_rows=max(chunk, 1))
+        outs = []
+        for s in range(0, n, chunk):
+            outs.append(ours(x[:, s : s + chunk], cache=cache))
+            mx.eval(outs[-1])
+        return mx.concatenate(outs, axis=1)
+
+    steps = run(1)
+    scale = mx.abs(steps).max().item()
+    for chunk in (7, 512):
+        err = mx.abs(run(chunk) - steps).max().item()
+        # Same codes either way; only float32 summation order differs.
+        assert err < 1e-4 * max(1.0, scale), (chunk, err)
+
+
+def test_registry_lists_files_and_aliases():
+    types = supported_model_types()
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(types)
+    assert "base" not in types
+    for alias, target in MODEL_REMAPPING.items():
+        assert get_model_classes(alias) == get_model_classes(target)
+
+
+def test_unsupported_model_type_lists_supported():
+    with pytest.raises(ValueError) as e:
+        get_model_classes("bert")
+    msg = str(e.value)
+    assert "'bert'" in msg and "llama" in msg and "qwen3" in msg

@@ -1,0 +1,271 @@
+"""Text generation over a TurboQuant (or FP16) KV cache.
+
+`stream_generate` yields a `GenerationResponse` per token; `generate` returns the
+text. The prompt is prefilled in chunks of `prefill_step_size` rows (each chunk
+commits M rows at once into the cache); decoding then adds one row per token.
+Sampling and logits processors are mlx-lm's (`mlx_lm.sample_utils`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KvCacheManager, make_cache
+from .quant.config import TurboQuantConfig
+
+# Default KV preset, chosen from measured quality per byte on SmolLM2-135M (head_dim 64,
+# benchmarks/results/quality_smollm2.json): k8v4 keeps perplexity within 0.2% of FP16 at
+# 0.41x the bytes, while tq4 (0.28x) costs +9% perplexity, because the keys carry the error.
+DEFAULT_KV = "k8v4"
+
+
+@dataclass
+class GenerationResponse:
+    """One step of `stream_generate`.
+
+    Attributes:
+        text: the new text this step (may be empty while a multi-byte character or a
+            possible stop string is incomplete).
+        token: the token generated this step.
+        prompt_tokens, prompt_tps: prompt length and prefill speed (tokens/s).
+        generation_tokens, generation_tps: tokens generated so far and decode speed.
+        peak_memory: peak memory MLX allocated, in GB.
+        kv_bytes: bytes the KV cache holds now; kv_fp16_bytes: the same capacity as FP16.
+        kv: the cache preset's name.
+        finish_reason: None while generating, then "stop" or "length".
+    """
+
+    text: str
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    kv_bytes: int
+    kv_fp16_bytes: int
+    kv: str
+    finish_reason: str | None = None
+
+    def stats_line(self) -> str:
+        ratio = self.kv_bytes / self.kv_fp16_bytes if self.kv_fp16_bytes else 1.0
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
+            f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s | "
+            f"peak memory: {self.peak_memory:.3f} GB | "
+            f"KV cache ({self.kv}): {self.kv_bytes / 2**20:.2f} MiB vs FP16 {self.kv_fp16_bytes / 2**20:.2f} MiB "
+            f"({ratio:.3f}x)"
+        )
+
+
+def model_max_context(model: nn.Module) -> int | None:
+    """The context length a model was trained for (max_position_embeddings), if it says."""
+    return getattr(model, "max_context", None)
+
+
+def encode_prompt(
+    tokenizer, prompt: str | Sequence[int], chat: bool = False, system: str | None = None
+) -> list[int]:
+    """Token ids of a prompt; with chat=True through the tokenizer's chat template."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this tokenizer has no chat template; generate without chat")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        # The template writes BOS and the turn markers itself.
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def _eval_cache(cache: KvCacheManager) -> None:
+    """Evaluate the cache's storage so a long prefill does not build one huge lazy graph."""
+    arrays = [a for i in range(cache.n_layers) for a in cache.layer_arrays(i).values()]
+    mx.eval(arrays)
+
+
+def prefill(
+    model: nn.Module,
+    cache: KvCacheManager,
+    tokens: mx.array,
+    prefill_step_size: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+) -> mx.array:
+    """Run the prompt through the model in chunks; returns the logits of its last token, (B, vocab).
+
+    Each chunk of M <= prefill_step_size rows is written and committed at once.
+    """
+    n = tokens.shape[1]
+    step = min(prefill_step_size, cache.max_rows)
+    logits = None
+    for start in range(0, n, step):
+        chunk = tokens[:, start : start + step]
+        logits = model(chunk, cache=cache)
+        if start + step < n:
+            _eval_cache(cache)  # the logits of inner chunks are never needed, so never computed
+        else:
+            logits = logits[:, -1, :]
+            mx.eval(logits)
+        if progress is not None:
+            progress(min(start + step, n), n)
+    return logits
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    kv: str | TurboQuantConfig = DEFAULT_KV,
+    cache: KvCacheManager | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    prefill_step_size: int = 512,
+    max_context: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from `prompt`, one `GenerationResponse` per token.
+
+    Args:
+        model, tokenizer: from `turbospark_mlx.load`.
+        prompt: text, or token ids.
+        kv: KV preset name ("tq4", "k8v4", "fp16", ...) or a `TurboQuantConfig`;
+            ignored when `cache` is given.
+        cache: an existing cache to continue (its offset counts towards the context).
+        max_tokens: most tokens to generate.
+        temperature, top_p, top_k, min_p: sampling (temperature 0 is greedy).
+        repetition_penalty, repetition_context_size: mlx-lm's repetition penalty.
+        seed: seeds MLX's random generator first, for reproducible sampling.
+        stop: strings that end generation (not included in the text).
+        stop_tokens: token ids that end generation; default the tokenizer's EOS ids.
+        chat: wrap the prompt with the tokenizer's chat template (system: its system message).
+        prefill_step_size: prompt rows per forward pass (<= the cache's max_rows).
+        max_context: positions the cache may hold; default the model's max_position_embeddings.
+        progress: called as progress(done, total) after each prefill chunk.
+    Raises:
+        ValueError: the prompt is empty, or prompt plus max_tokens exceeds the context.
+    """
+    ids = encode_prompt(tokenizer, prompt, chat=chat, system=system)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+    context = max_context or (cache.max_context if cache is not None else None) or model_max_context(model)
+    start = cache.offset if cache is not None else 0
+    if context is not None and start + len(ids) + max_tokens > context:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens (after {start} cached) plus max_tokens={max_tokens} needs "
+            f"{start + len(ids) + max_tokens} positions, more than the context of {context}; "
+            "shorten the prompt or lower max_tokens"
+        )
+    if cache is None:
+        cache = make_cache(model, kv=kv, max_rows=prefill_step_size, max_context=context)
+    # mlx_lm's package import pulls in transformers: only when generating.
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    processors = make_logits_processors(
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
+    )
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stop_ids = (
+        set(stop_tokens) if stop_tokens is not None else set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    )
+    detok = tokenizer.detokenizer
+    detok.reset()
+
+    history = mx.array(ids)
+
+    def pick(logits: mx.array) -> mx.array:
+        nonlocal history
+        for p in processors:
+            logits = p(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs)
+
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    logits = prefill(model, cache, history[None], prefill_step_size, progress)
+    y = pick(logits)
+    mx.eval(y)
+    prompt_time = time.perf_counter() - tic
+    prompt_tps = len(ids) / prompt_time
+
+    tic = time.perf_counter()
+    text, emitted = "", 0  # text so far; characters of it already yielded
+    hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
+    n = 0
+    while True:
+        token = y.item()
+        n += 1
+        finish = None
+        if token in stop_ids:
+            finish = "stop"
+        else:
+            detok.add_token(token)
+            if n >= max_tokens:
+                finish = "length"
+        if finish is not None:
+            detok.finalize()  # flush bytes held back for an incomplete character
+        text = detok.text
+        hits = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
+        if hits:
+            text, finish = text[: min(hits)], "stop"
+        if finish is None:
+            history = mx.concatenate([history, y.reshape(1)])
+            y = pick(model(y.reshape(1, 1), cache=cache)[:, -1, :])
+            mx.async_eval(y)  # compute the next token while this one is handed out
+        safe = len(text) if finish is not None else max(emitted, len(text) - hold)
+        segment, emitted = text[emitted:safe], max(emitted, safe)
+        gen_time = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=segment,
+            token=token,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / gen_time if gen_time > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            kv_bytes=cache.nbytes,
+            kv_fp16_bytes=cache.fp16_nbytes(),
+            kv=cache.config.name,
+            finish_reason=finish,
+        )
+        if finish is not None:
+            return
+
+
+def generate(
+    model: nn.Module, tokenizer, prompt: str | Sequence[int], *, verbose: bool = False, **kwargs
+) -> str:
+    """The generated text for `prompt`; kwargs as `stream_generate`. verbose prints it and the stats."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print("\n" + last.stats_line())
+    return text
