@@ -10,6 +10,7 @@ from the GGUF metadata through transformers' GGUF converter.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -86,6 +87,8 @@ class GGUFArch:
             RoPE on this architecture; undo it to get HF's half-split layout.
         norm_shift: added to norm weights at conversion (gemma's 1 + w norms); subtracted here.
         extra_config: fixed HF config entries.
+        config_defaults: "module:function" filling config values llama.cpp does not
+            store (the family's own knowledge, kept in its file).
     """
 
     model_type: str
@@ -94,6 +97,7 @@ class GGUFArch:
     permute_qk: bool = False
     norm_shift: float = 0.0
     extra_config: dict[str, Any] = field(default_factory=dict)
+    config_defaults: str | None = None
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
@@ -111,6 +115,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
         },
         config={**COMMON_CONFIG, "attention.sliding_window": "sliding_window"},
         norm_shift=1.0,
+        config_defaults="gemma3_text:gguf_config_defaults",
     ),
 }
 
@@ -343,6 +348,8 @@ def gguf_config(meta: dict, arch_name: str, arch: GGUFArch, tensors: dict) -> di
     for key, hf_key in arch.config.items():
         if f"{arch_name}.{key}" in meta:
             config[hf_key] = _meta_value(meta[f"{arch_name}.{key}"])
+    if "vocab_size" not in config and "token_embd.weight" in tensors:
+        config["vocab_size"] = tensors["token_embd.weight"].shape[0]  # llama.cpp may drop unused rows
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
         config["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     if "head_dim" not in config:
@@ -358,6 +365,9 @@ def gguf_config(meta: dict, arch_name: str, arch: GGUFArch, tensors: dict) -> di
         raise ValueError(
             f"GGUF RoPE scaling {scaling!r} is not supported; load the model's Hugging Face directory instead"
         )
+    if arch.config_defaults:
+        module, func = arch.config_defaults.split(":")
+        config = getattr(importlib.import_module(f"turbospark_mlx.models.{module}"), func)(config)
     return config
 
 

@@ -7,9 +7,8 @@ sqrt(hidden), (1 + w) norms, GELU-tanh MLP, separate local and global RoPE
 bases. The MLP, norm and residual clip are mlx-lm's own (same parameter
 names, same math); attention goes through the cache's write path.
 
-Also loads from GGUF (llama.cpp's `gemma3` architecture): `gguf_config` and
-`sanitize_gguf` turn a GGUF file's metadata and tensors into this file's
-config and parameter names.
+Also loads from GGUF (llama.cpp's `gemma3` architecture) through
+`turbospark_mlx.load`; `gguf_config_defaults` fills what llama.cpp leaves out.
 """
 
 from __future__ import annotations
@@ -178,108 +177,21 @@ class Model(nn.Module):
 
 
 # -- GGUF (llama.cpp `gemma3` architecture) -------------------------------------
-
-# llama.cpp tensor name -> this file's parameter name; "{i}" is the layer index.
-GGUF_TENSOR_MAP: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
-    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
-    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
-    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
-    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
-}
-
-# convert_hf_to_gguf.py stores Gemma 3's (1 + w) norm weights with the 1 added;
-# this file's RMSNorm adds it itself, so it is taken off again on load.
-GGUF_NORM_SHIFT = 1.0
-
-# GGUF metadata key (after "gemma3.") -> config field.
-GGUF_CONFIG_KEYS: dict[str, str] = {
-    "embedding_length": "hidden_size",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.sliding_window": "sliding_window",
-    "rope.freq_base": "rope_theta",
-    "context_length": "max_position_embeddings",
-}
+# Tensor names and stored config keys live in load.py's GGUF_ARCHITECTURES; these
+# are the values llama.cpp does not store and assumes for gemma3 itself.
 
 
-def _plain(value: Any) -> Any:
-    """A GGUF metadata value as a Python scalar (mx.load gives 0-d arrays for numbers)."""
-    return value.item() if isinstance(value, mx.array) and value.ndim == 0 else value
+def gguf_config_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Fill the gemma3 settings a GGUF file leaves out (llama.cpp's own choices).
 
-
-def gguf_config(metadata: dict[str, Any], vocab_size: int) -> dict:
-    """A gemma3_text config dict from a GGUF file's metadata.
-
-    vocab_size is the row count of `token_embd` (llama.cpp drops the unused rows).
-    Values llama.cpp does not store are the ones it assumes for gemma3: local
-    RoPE base 10000, 5 local : 1 global layers, and query_pre_attn_scalar =
+    Local RoPE base 10000, 5 local : 1 global layers, and query_pre_attn_scalar =
     hidden / heads on the 62-layer (27B) model, head_dim otherwise.
     """
-    arch = _plain(metadata.get("general.architecture"))
-    if arch != "gemma3":
-        raise ValueError(f"GGUF architecture is {arch!r}, expected 'gemma3'")
-    config: dict[str, Any] = {"model_type": "gemma3_text", "vocab_size": int(vocab_size)}
-    for key, field in GGUF_CONFIG_KEYS.items():
-        if f"gemma3.{key}" in metadata:
-            config[field] = _plain(metadata[f"gemma3.{key}"])
-    missing = [
-        f"gemma3.{k}"
-        for k in ("embedding_length", "block_count", "attention.head_count")
-        if f"gemma3.{k}" not in metadata
-    ]
-    if missing:
-        raise ValueError(f"GGUF metadata lacks {', '.join(missing)}")
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config = dict(config)
     if config["num_hidden_layers"] == 62:
         config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"]
     else:
         config["query_pre_attn_scalar"] = config["head_dim"]
-    config["rope_local_base_freq"] = 10_000.0
-    config["sliding_window_pattern"] = 6
-    if _plain(metadata.get("gemma3.rope.scaling.type")) == "linear":
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": _plain(metadata["gemma3.rope.scaling.factor"]),
-        }
+    config.setdefault("rope_local_base_freq", 10_000.0)
+    config.setdefault("sliding_window_pattern", 6)
     return config
-
-
-def gguf_name(name: str) -> str:
-    """This file's parameter name for a llama.cpp tensor name (suffix .weight/.scales/.biases kept)."""
-    base, _, suffix = name.rpartition(".")
-    parts = base.split(".")
-    if parts[0] == "blk" and len(parts) >= 3:
-        key, i = "blk.{i}." + ".".join(parts[2:]), parts[1]
-    else:
-        key, i = base, None
-    if key not in GGUF_TENSOR_MAP:
-        raise ValueError(f"GGUF tensor {name!r} has no gemma3 mapping")
-    return f"{GGUF_TENSOR_MAP[key].format(i=i)}.{suffix}"
-
-
-def sanitize_gguf(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Rename llama.cpp tensors to this file's names and undo the norm shift."""
-    out = {}
-    for name, value in weights.items():
-        new = gguf_name(name)
-        if new.endswith("norm.weight"):
-            value = value - GGUF_NORM_SHIFT
-        out[new] = value
-    return out
