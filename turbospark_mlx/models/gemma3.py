@@ -46,6 +46,10 @@ class Model(nn.Module):
         return _mlx_gemma3.Model.sanitize(self, weights)
 
     @property
+    def max_context(self) -> int | None:
+        return self.language_model.max_context
+
+    @property
     def layers(self):
         return self.language_model.layers
 

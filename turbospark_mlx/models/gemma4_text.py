@@ -288,6 +288,10 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
+    @property
+    def max_context(self) -> int | None:
+        return self.args.max_position_embeddings
+
     def kv_layer_specs(self) -> list[LayerSpec]:
         a = self.args
         specs = []

@@ -44,6 +44,7 @@ class ModelArgs(BaseModelArgs):
     rms_norm_eps: float = 1e-05
     rope_theta: float = 150000
     rope_scaling: Any = None
+    max_position_embeddings: int = 131072
     layer_types: list[str] | None = None
 
     def __post_init__(self):
@@ -160,6 +161,10 @@ class Model(nn.Module):
     @property
     def layers(self):
         return self.model.layers
+
+    @property
+    def max_context(self) -> int | None:
+        return self.args.max_position_embeddings
 
     def kv_layer_specs(self) -> list[LayerSpec]:
         a = self.args
