@@ -221,7 +221,7 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
     """
 
     def __init__(
-        self, kv: str | TurboQuantConfig = "tq4", *, max_rows: int = 256, q_block: int = 512, dtype=None
+        self, kv: str | TurboQuantConfig = "tq4", *, max_rows: int = 256, q_block: int = 256, dtype=None
     ):
         self._setup(kv, max_rows, q_block, dtype)
 
@@ -307,7 +307,7 @@ class TurboSparkBatchKVCache(_TurboSparkCacheBase):
     storage row.
     """
 
-    def __init__(self, left_padding: Sequence[int], kv="tq4", *, max_rows=256, q_block=512, dtype=None):
+    def __init__(self, left_padding: Sequence[int], kv="tq4", *, max_rows=256, q_block=256, dtype=None):
         self._setup(kv, max_rows, q_block, dtype)
         self._pad = [int(p) for p in left_padding]
         self.offset = mx.array([-p for p in self._pad])
@@ -634,7 +634,7 @@ def make_prompt_cache(
     kv: str | TurboQuantConfig = "tq4",
     *,
     max_rows: int = 256,
-    q_block: int = 512,
+    q_block: int = 256,
     dtype: str | None = None,
 ) -> list:
     """mlx-lm's prompt cache for `model` with TurboQuant on the full-attention layers.
