@@ -370,3 +370,53 @@ print(t.load_prompt_cache({path!r})[0].offset)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["keyerror", "'TurboSparkKVCache'", "3"], out.stdout
     assert os.path.exists(path)
+
+
+def test_small_write_and_query_blocks_change_nothing():
+    """max_rows (rows per commit) and q_block (query rows per attention call) only bound transients."""
+    model = tiny_model("llama")
+    tokens = mx.random.randint(0, 97, (1, 23))
+    a = model(tokens, cache=make_prompt_cache(model, "tq4"))
+    b = model(tokens, cache=make_prompt_cache(model, "tq4", max_rows=3, q_block=4))
+    unpatch_model(model)
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_kv_bits_leaves_turbospark_caches_alone():
+    model = tiny_model("llama")
+    cache = make_prompt_cache(model, "tq4")
+    greedy(model, mx.random.randint(0, 97, (9,)), cache, 3, kv_bits=4, quantized_kv_start=0)
+    unpatch_model(model)
+    assert all(type(c) is TurboSparkKVCache for c in cache)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_batch_generate_with_sliding_layers(family):
+    model = tiny_model(family)
+    tok = TinyTokenizer(97).wrapper
+    patch_model(model, K8V8)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4, 5]]
+    result = mlx_lm.batch_generate(model, tok, prompts, max_tokens=4)
+    for p, text in zip(prompts, result.texts):
+        assert text == tok.decode(greedy(model, mx.array(p), make_prompt_cache(model, K8V8), 4))
+    unpatch_model(model)
+
+
+def test_set_layer_arrays_checks_before_changing():
+    from turbospark_mlx import KvCacheManager, LayerSpec, store_kv
+
+    kv = KvCacheManager([LayerSpec(2, 32)], "tq4")
+    k = mx.random.normal((1, 2, 5, 32)).astype(mx.float16)
+    store_kv(kv, 0, 0, k, k)
+    before = {n: mx.array(a) for n, a in kv.layer_arrays(0).items()}
+    bad = dict(before, k_norms=before["k_norms"].astype(mx.float16))
+    with pytest.raises(ValueError, match="k_norms"):
+        kv.set_layer_arrays(0, bad, 5)
+    with pytest.raises(ValueError, match="offset"):
+        kv.set_layer_arrays(0, before, 10**6)
+    with pytest.raises(ValueError, match="stores"):
+        kv.set_layer_arrays(0, {"keys": before["k_norms"]}, 1)
+    assert kv.layer_offset(0) == 5
+    assert all(mx.array_equal(kv.layer_arrays(0)[n], a).item() for n, a in before.items())
+    kv.set_layer_arrays(0, before, 3)
+    assert kv.layer_offset(0) == 3
