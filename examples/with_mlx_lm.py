@@ -36,7 +36,9 @@ messages = [{"role": "user", "content": args.prompt}]
 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 cache = make_prompt_cache(model, kv=args.kv)  # (2) a TurboQuant cache on the full-attention layers
-text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache)  # (3) pass it
+text = mlx_lm.generate(
+    model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache
+)  # (3) pass it
 print(text)
 kv_bytes = sum(c.nbytes for c in cache)
 print(f"[{args.kv}] {cache[0].offset} tokens, KV cache {kv_bytes / 1024:.0f} KiB")

