@@ -154,9 +154,12 @@ class _TurboSparkCacheBase:
         outs = []
         for a, b in zip(cuts, cuts[1:]):
             start = next(st for r, st in reversed(kv_starts) if r <= a)
-            outs.append(
-                attention_any(kv, 0, queries[:, :, a:b], pos + a, scale=scale, sinks=sinks, kv_start=start)
-            )
+            q = queries[:, :, a:b]
+            if outs:
+                # Block a+1 waits for block a, so MLX frees a's scores before b's exist
+                # (measured: a 2048-row chunk over 8k keys, 623 -> 177 MiB of transients).
+                q = mx.depends(q, outs[-1])
+            outs.append(attention_any(kv, 0, q, pos + a, scale=scale, sinks=sinks, kv_start=start))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def update_and_fetch(self, keys, values):
