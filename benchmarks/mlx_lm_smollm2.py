@@ -73,11 +73,12 @@ def quality(model, tok, texts: dict[str, str], n_tokens: int) -> dict:
         ref = teacher_forced_logits(model, ids, "mlx-fp16")
         ref_ppl = mx.exp(nll(ref, ids[1:]).mean()).item()
         ref_top = mx.argmax(ref, axis=-1)
-        rows = {"mlx-fp16": {"ppl": ref_ppl, "delta_ppl_pct": 0.0, "top1_agree": 1.0}}
+        rows = {"mlx-fp16": {"logits_rel_err": 0.0, "ppl": ref_ppl, "delta_ppl_pct": 0.0, "top1_agree": 1.0}}
         for kind in ("mlx-q4", *QUALITY_KV):
             logits = teacher_forced_logits(model, ids, kind)
             p = mx.exp(nll(logits, ids[1:]).mean()).item()
             rows[kind] = {
+                "logits_rel_err": (mx.linalg.norm(logits - ref) / mx.linalg.norm(ref)).item(),
                 "ppl": p,
                 "delta_ppl_pct": 100 * (p / ref_ppl - 1),
                 "top1_agree": mx.mean(mx.argmax(logits, axis=-1) == ref_top).item(),
@@ -100,7 +101,9 @@ def memory_run(kind: str, prompt_tokens: int, decode_tokens: int) -> dict:
     weights = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    gen = generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=decode_tokens, prefill_step_size=2048)
+    gen = generate_step(
+        mx.array(ids), model, prompt_cache=cache, max_tokens=decode_tokens, prefill_step_size=2048
+    )
     next(gen)  # the prompt is processed and the first token sampled
     t1 = time.perf_counter()
     out = {
@@ -126,12 +129,27 @@ def memory_run(kind: str, prompt_tokens: int, decode_tokens: int) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# SmolLM2-135M-Instruct (Q4_1 GGUF) through stock mlx-lm {res['mlx_lm']}", ""]
     lines += [f"Machine: {res['machine']}. MLX {res['mlx']}. Command: `{res['command']}`.", ""]
+    if res.get("memory_command"):
+        lines += [f"Memory rows marked (earlier run) come from `{res['memory_command']}`.", ""]
+    if res.get("cpu_fast"):
+        lines += [
+            "CPU-only MLX: weights are the GGUF's values dequantized to float32 (projections through BLAS; "
+            "MLX's CPU quantized/fp16 matmuls are ~50x slower here), k_proj/v_proj emit float16 so every "
+            "cache stores FP16-model K/V; queries and attention math are float32 for every cache alike. "
+            f"BLAS: {res.get('blas')}.",
+            "",
+        ]
     for name, q in res["quality"].items():
         lines += [f"## Teacher-forced quality, {name} ({q['tokens']} tokens, 256-token prefill chunks)", ""]
-        lines += ["| cache | perplexity | Δ vs FP16 | top-1 agreement with FP16 |", "|---|---|---|---|"]
+        lines += [
+            "| cache | perplexity | Δ vs FP16 | top-1 agreement with FP16 | logits rel. error vs FP16 |",
+            "|---|---|---|---|---|",
+        ]
         for kind, r in q["rows"].items():
+            err = r.get("logits_rel_err")
             lines.append(
-                f"| {kind} | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f}% | {100 * r['top1_agree']:.1f}% |"
+                f"| {kind} | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f}% | {100 * r['top1_agree']:.1f}% "
+                f"| {'' if err is None else f'{err:.4f}'} |"
             )
         lines.append("")
     if res.get("memory"):
@@ -148,7 +166,7 @@ def markdown(res: dict) -> str:
         ]
         for m in res["memory"]:
             lines.append(
-                f"| {m['kind']} | {m['prefill_kv_bytes'] / 2**20:.1f} MiB | {m['decode_kv_bytes'] / 2**20:.1f} MiB "
+                f"| {m['kind']}{' (earlier run)' if m.get('run') == 'earlier' else ''} | {m['prefill_kv_bytes'] / 2**20:.1f} MiB | {m['decode_kv_bytes'] / 2**20:.1f} MiB "
                 f"| {m['prefill_peak_bytes'] / 2**20:.1f} MiB | {m['decode_peak_bytes'] / 2**20:.1f} MiB "
                 f"| {m['prefill_s']:.1f} | {m['decode_tok_s']:.1f} |"
             )
@@ -163,6 +181,10 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="memory runs at once (timings then share the CPU)")
+    ap.add_argument(
+        "--reuse-memory", action="store_true", help="keep other kinds' memory rows from the last results"
+    )
+    ap.add_argument("--kinds", default="mlx-q4,mlx-fp16,tq4,k8v4", help="memory runs to do")
     ap.add_argument("--memory-run", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "mlx_lm_smollm2"))
     a = ap.parse_args()
@@ -182,7 +204,14 @@ def main():
         "command": "python " + " ".join(sys.argv),
         "quality": quality(model, tok, texts, a.tokens),
         "prompt_tokens": a.prompt_tokens,
+        "cpu_fast": CPU_FAST,
+        "blas": os.environ.get("LD_PRELOAD") or "the BLAS bundled with the mlx wheel",
     }
+    old = {}
+    if a.reuse_memory:  # rows of kinds not in --kinds are kept from the last results file
+        with open(a.out + ".json") as f:
+            old = json.load(f)
+        res["memory_command"] = old["command"]
     if not a.quick:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -194,8 +223,12 @@ def main():
             return json.loads(run.stdout.strip().splitlines()[-1])
 
         # Each variant in its own process (peak memory is per process); --jobs of them at once.
+        kinds = a.kinds.split(",")
         with ThreadPoolExecutor(a.jobs) as pool:
-            res["memory"] = list(pool.map(one, ("mlx-q4", "mlx-fp16", "tq4", "k8v4")))
+            new = dict(zip(kinds, pool.map(one, kinds)))
+        order = ("mlx-fp16", "mlx-q4", "tq4", "k8v4")
+        kept = {m["kind"]: dict(m, run="earlier") for m in old.get("memory", [])}
+        res["memory"] = [new.get(k) or kept[k] for k in order if k in new or k in kept]
         res["memory_jobs"] = a.jobs
     text = markdown(res)
     print(text)

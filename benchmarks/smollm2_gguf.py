@@ -109,6 +109,7 @@ def load_smollm2(path: str | None = None, *, cpu_fast: bool = False):
             a = _unpermute(a, n_kv)
         weights[_mlx_name(name)] = a
     model = llama.Model(args)
+
     # GGUF Q4_1 (matrices) and Q8 (the embedding) load as affine group-32 triplets, mlx-lm's
     # QuantizedLinear / QuantizedEmbedding layout; bits = uint32 words per group.
     def quant_params(p, m):
@@ -153,7 +154,9 @@ def _dequantize_fp32(model) -> None:
                 setattr(parent, n, plain(getattr(parent, n)))
         layer.self_attn.k_proj.__class__ = _Fp16OutLinear
         layer.self_attn.v_proj.__class__ = _Fp16OutLinear
-    for norm in [model.model.norm] + [m for l in model.layers for m in (l.input_layernorm, l.post_attention_layernorm)]:
+    for norm in [model.model.norm] + [
+        m for l in model.layers for m in (l.input_layernorm, l.post_attention_layernorm)
+    ]:
         norm.weight = norm.weight.astype(mx.float32)
 
 
