@@ -444,6 +444,38 @@ class KvCacheManager:
         pos = s + cap * ((end - 1 - s) // cap)
         return mx.where(s < end, pos, -1)
 
+    def set_layer_arrays(self, layer: int, arrays: dict[str, mx.array], offset: int) -> None:
+        """Replace a growing layer's storage with `arrays` (named as `layer_arrays` gives them).
+
+        For adapters that hold storage between calls in another form (mlx-lm's
+        prompt-cache files, batch merge / filter). Everything is checked before
+        anything changes; `arrays` = {} with offset 0 empties the layer.
+        """
+        if not 0 <= layer < self.n_layers or self.specs[layer].shared_from is not None:
+            raise ValueError(f"layer {layer} does not own storage in this {self.n_layers}-layer cache")
+        l = self._layers[layer]
+        if l.ring_capacity is not None:
+            raise ValueError(f"layer {layer} is a sliding-window ring; only growing layers can be set")
+        layout = self._storage_layout(l) if arrays else {}
+        if set(arrays) != set(layout):
+            raise ValueError(
+                f"layer {layer}: arrays {sorted(arrays)} given, the layer stores {sorted(layout)}"
+            )
+        caps = {a.shape[2] for a in arrays.values() if a.ndim >= 3}
+        cap = caps.pop() if len(caps) == 1 else 0
+        for name, (tail, dtype) in layout.items():
+            a = arrays[name]
+            want = (self.batch_size, l.spec.n_kv_heads, cap, *tail)
+            if a.shape != want or a.dtype != dtype:
+                raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
+        if not isinstance(offset, int) or not 0 <= offset <= cap:
+            raise ValueError(f"layer {layer}: offset {offset!r} outside the {cap} positions given")
+        if self.max_context is not None and offset > self.max_context:
+            raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")
+        l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
+        for half in HALVES:
+            self.stage.pending.pop((layer, half), None)
+
     # -- state --------------------------------------------------------------
 
     def _meta(self) -> dict[str, str]:
