@@ -64,18 +64,18 @@ def nll(logits: mx.array, targets: list[int]) -> mx.array:
     return -mx.take_along_axis(logp, mx.array(targets)[:, None], axis=-1)[:, 0]
 
 
-def quality(model, tok, texts: dict[str, str], n_tokens: int) -> dict:
+def quality(model, tok, texts: dict[str, str], n_tokens: int, chunk: int = 256) -> dict:
     from turbospark_mlx.mlx_lm import unpatch_model
 
     results = {}
     for name, text in texts.items():
         ids = tok.encode(text)[: n_tokens + 1]
-        ref = teacher_forced_logits(model, ids, "mlx-fp16")
+        ref = teacher_forced_logits(model, ids, "mlx-fp16", chunk)
         ref_ppl = mx.exp(nll(ref, ids[1:]).mean()).item()
         ref_top = mx.argmax(ref, axis=-1)
         rows = {"mlx-fp16": {"logits_rel_err": 0.0, "ppl": ref_ppl, "delta_ppl_pct": 0.0, "top1_agree": 1.0}}
         for kind in ("mlx-q4", *QUALITY_KV):
-            logits = teacher_forced_logits(model, ids, kind)
+            logits = teacher_forced_logits(model, ids, kind, chunk)
             p = mx.exp(nll(logits, ids[1:]).mean()).item()
             rows[kind] = {
                 "logits_rel_err": (mx.linalg.norm(logits - ref) / mx.linalg.norm(ref)).item(),
@@ -84,7 +84,7 @@ def quality(model, tok, texts: dict[str, str], n_tokens: int) -> dict:
                 "top1_agree": mx.mean(mx.argmax(logits, axis=-1) == ref_top).item(),
             }
             unpatch_model(model)
-        results[name] = {"tokens": len(ids) - 1, "rows": rows}
+        results[name] = {"tokens": len(ids) - 1, "chunk": chunk, "rows": rows}
     return results
 
 
@@ -140,7 +140,10 @@ def markdown(res: dict) -> str:
             "",
         ]
     for name, q in res["quality"].items():
-        lines += [f"## Teacher-forced quality, {name} ({q['tokens']} tokens, 256-token prefill chunks)", ""]
+        lines += [
+            f"## Teacher-forced quality, {name} ({q['tokens']} tokens, {q.get('chunk', 256)}-token prefill chunks)",
+            "",
+        ]
         lines += [
             "| cache | perplexity | Δ vs FP16 | top-1 agreement with FP16 | logits rel. error vs FP16 |",
             "|---|---|---|---|---|",
@@ -184,6 +187,9 @@ def main():
     ap.add_argument(
         "--reuse-memory", action="store_true", help="keep other kinds' memory rows from the last results"
     )
+    ap.add_argument("--texts", default="pydoc,gpl3")
+    ap.add_argument("--chunk", type=int, default=256, help="teacher-forced prefill chunk")
+    ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--kinds", default="mlx-q4,mlx-fp16,tq4,k8v4", help="memory runs to do")
     ap.add_argument("--memory-run", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "mlx_lm_smollm2"))
@@ -194,15 +200,17 @@ def main():
     import mlx_lm
 
     model, tok = load_smollm2(cpu_fast=CPU_FAST)
-    texts = {"python-reference (pydoc_data.topics)": english_text()}
-    if os.path.exists(GPL3) and not a.quick:
+    texts = {}
+    if "pydoc" in a.texts:
+        texts["python-reference (pydoc_data.topics)"] = english_text()
+    if "gpl3" in a.texts and os.path.exists(GPL3) and not a.quick:
         texts["GPL-3 text"] = open(GPL3).read()
     res = {
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, device {mx.default_device()}",
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "command": "python " + " ".join(sys.argv),
-        "quality": quality(model, tok, texts, a.tokens),
+        "quality": quality(model, tok, texts, a.tokens, a.chunk),
         "prompt_tokens": a.prompt_tokens,
         "cpu_fast": CPU_FAST,
         "blas": os.environ.get("LD_PRELOAD") or "the BLAS bundled with the mlx wheel",
@@ -212,7 +220,7 @@ def main():
         with open(a.out + ".json") as f:
             old = json.load(f)
         res["memory_command"] = old["command"]
-    if not a.quick:
+    if not a.quick and not a.no_memory:
         from concurrent.futures import ThreadPoolExecutor
 
         def one(kind):
