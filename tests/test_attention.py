@@ -150,3 +150,21 @@ def test_attention_input_errors():
         attention_any(cache, 0, good, position=4)
     with pytest.raises(ValueError, match="kv_start"):
         attention_any(cache, 0, good, kv_start=4)
+
+
+def test_tq_reference_key_blocks_change_nothing(monkeypatch):
+    """The blocked online softmax equals dense attention, with masks and sinks across block edges."""
+    import turbospark_mlx.attention as attention
+
+    B, Hkv, G, D, L, M = 2, 2, 3, 64, 150, 5
+    cache = KvCacheManager([LayerSpec(Hkv, D)], "k8v3", batch_size=B, max_rows=L)
+    fill(cache, 0, L)
+    q = mx.random.normal((B, Hkv * G, M, D))
+    sinks = mx.random.normal((Hkv * G,))
+    kv_start = mx.array([0, 70])
+    k, v = dequantized(cache, 0, L)
+    mask = attention_mask(mx.arange(L), mx.arange(L - M, L), kv_start)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=mask, sinks=sinks)
+    monkeypatch.setattr(attention, "REF_KEY_BLOCK", 32)
+    got = attention_any(cache, 0, q, sinks=sinks, kv_start=kv_start)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), mx.abs(got - want).max().item()

@@ -25,6 +25,10 @@ from .quant.turboquant import LayerQuant, dequantize_rotated_ref
 from .tq_kernels import tq_decode_attention, tq_decode_unsupported
 
 
+# Keys per block of the reference TurboQuant attention (bounds its float32 working set).
+REF_KEY_BLOCK = 256
+
+
 def attention_mask(
     key_positions: mx.array,
     query_positions: mx.array,
@@ -91,14 +95,32 @@ def tq_attention_ref(
         (B, Hq, M, D) in the queries' dtype.
     """
     B, Hq, M, D = queries.shape
-    Hkv = k_codes.shape[1]
+    Hkv, L = k_codes.shape[1], k_codes.shape[2]
     G = Hq // Hkv
     q_rot = quant.k.rotation.apply(queries).reshape(B, Hkv, G, M, D)  # q' = Π_K q, once per step
-    k_rot = dequantize_rotated_ref(k_codes, k_norms, quant.k)[:, :, None]  # (B, Hkv, 1, L, D)
-    v_rot = dequantize_rotated_ref(v_codes, v_norms, quant.v)[:, :, None]
-    scores = scale * (q_rot @ k_rot.swapaxes(-1, -2))  # (B, Hkv, G, M, L)
-    out_rot = _softmax_weighted(scores, v_rot, mask, sinks, Hkv, G)
-    out = quant.v.rotation.invert(out_rot)  # o = Π_Vᵀ o', once per step
+    # Online softmax over key blocks: only one block of keys is ever decoded to
+    # float32, so the working memory of a step does not grow with the context.
+    m = mx.full((B, Hkv, G, M, 1), -mx.inf)
+    denom = mx.zeros((B, Hkv, G, M, 1))
+    if sinks is not None:  # the sink is one more logit in the denominator, with no value
+        m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), m.shape)
+        denom = mx.ones(m.shape)
+    acc = mx.zeros((B, Hkv, G, M, D))
+    for s in range(0, L, REF_KEY_BLOCK):
+        e = min(L, s + REF_KEY_BLOCK)
+        k_rot = dequantize_rotated_ref(k_codes[:, :, s:e], k_norms[:, :, s:e], quant.k)[:, :, None]
+        v_rot = dequantize_rotated_ref(v_codes[:, :, s:e], v_norms[:, :, s:e], quant.v)[:, :, None]
+        scores = scale * (q_rot @ k_rot.swapaxes(-1, -2))  # (B, Hkv, G, M, block)
+        if mask is not None:
+            scores = mx.where(mask[:, :, None, :, s:e], scores, -mx.inf)
+        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
+        m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows that have seen no key yet
+        alpha = mx.exp(m - m_safe)
+        p = mx.exp(scores - m_safe)
+        denom = denom * alpha + p.sum(axis=-1, keepdims=True)
+        acc = acc * alpha + p @ v_rot
+        m = m_new
+    out = quant.v.rotation.invert(acc / denom)  # o = Π_Vᵀ o', once per step
     return out.reshape(B, Hq, M, D).astype(queries.dtype)
 
 
