@@ -18,6 +18,7 @@ prefill computes exactly what token-by-token decode does.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import backend as _backend
 from .cache import KvCacheManager
@@ -173,7 +174,9 @@ def attention_any(
         raise ValueError(
             f"layer {layer}: queries at positions [{position}, {position + M}) but only {committed} are committed"
         )
-    if mx.any(mx.array(kv_start) > position).item():
+    # Read the start(s) on the host: an mx reduction + .item() here would cost a GPU sync per layer.
+    latest_start = kv_start if isinstance(kv_start, int) else int(np.asarray(kv_start).max())
+    if latest_start > position:
         raise ValueError(f"layer {layer}: kv_start {kv_start} is past the first query position {position}")
     scale = D**-0.5 if scale is None else scale
     end = position + M
