@@ -32,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from turbospark_mlx.attention import attention_mask  # noqa: E402
 from turbospark_mlx.backend import auto_backend  # noqa: E402
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant  # noqa: E402
-from turbospark_mlx.tq_kernels import decode_plan, tq_decode_attention, tq_quantize  # noqa: E402
+from turbospark_mlx.tq_kernels import (  # noqa: E402
+    decode_plan,
+    mma_plan,
+    tq_decode_attention,
+    tq_mma_unsupported,
+    tq_quantize,
+)
 
 PRESETS = {"tq4": (4, 4), "tq3": (3, 3), "k8v4": (8, 4)}
 
@@ -88,11 +94,19 @@ def peak_extra(fn, q) -> int:
     return mx.get_peak_memory() - base
 
 
-def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
+def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
     G = Hq // Hkv
     scale = D**-0.5
     for L in contexts:
-        row = {"shape": name, "B": 1, "Hq": Hq, "Hkv": Hkv, "D": D, "context": L, "methods": {}}
+        row = {
+            "shape": name,
+            "B": 1,
+            "Hq": Hq,
+            "Hkv": Hkv,
+            "D": D,
+            "context": L,
+            "methods": {},
+        }
         q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
         k = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
         v = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
@@ -142,7 +156,11 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
                 row["methods"][f"affine{bits}_mlx_lm_style"] = {"error": str(e)[:200]}
             del kq, vq
         for preset, (kb, vb) in PRESETS.items():
-            quant = LayerQuant(0, side_quant(kb, D, "auto", 0, 0, "k"), side_quant(vb, D, "auto", 0, 0, "v"))
+            quant = LayerQuant(
+                0,
+                side_quant(kb, D, "auto", 0, 0, "k"),
+                side_quant(vb, D, "auto", 0, 0, "v"),
+            )
             # Random codes: every bit pattern is a valid index (never time on zeros).
             kc, vc = (_random_words((1, Hkv, L, w)) for w in (quant.k.words, quant.v.words))
             kn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
@@ -151,17 +169,49 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
             nbytes = sum(a.nbytes for a in (kc, vc, kn, vn))
             backend = auto_backend()
 
-            def tq(q, quant=quant, kc=kc, vc=vc, kn=kn, vn=vn):
+            def tq(q, quant=quant, kc=kc, vc=vc, kn=kn, vn=vn, variant="auto", **kw):
                 return tq_decode_attention(
-                    q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend
+                    q,
+                    kc,
+                    kn,
+                    vc,
+                    vn,
+                    quant,
+                    scale=scale,
+                    position=L - 1,
+                    backend=backend,
+                    variant=variant,
+                    **kw,
                 )
 
+            # `_kernel`: what attention_any runs (the automatic choice); on CUDA also each
+            # kernel forced: `_mma` (tensor cores, where it serves) and `_dialect` (one source).
             rec(f"{preset}_kernel", tq, q0, nbytes)
+            mma = backend == "cuda" and tq_mma_unsupported(quant, G, 1, D) is None
+            if mma:
+                rec(f"{preset}_mma", lambda q: tq(q, variant="mma"), q0, nbytes, peak=False)
+                plan = mma_plan(
+                    quant,
+                    G,
+                    1,
+                    D,
+                    Hkv,
+                    L,
+                    scale=scale,
+                    has_starts=False,
+                    has_sink=False,
+                    out_dtype=mx.float16,
+                )
+                row["methods"][f"{preset}_mma"]["plan"] = {
+                    "splits": plan["splits"],
+                    "tiles_per_warp": plan["tiles_per_warp"],
+                }
+                rec(f"{preset}_dialect", lambda q: tq(q, variant="dialect"), q0, nbytes, peak=False)
             plan = decode_plan(quant, G, 1, D, Hkv, L)
-            row["methods"][f"{preset}_kernel"]["plan"] = {
-                n: v for n, v in plan["template"] if n in ("NT", "TT")
+            row["methods"][f"{preset}_dialect" if mma else f"{preset}_kernel"]["plan"] = {
+                "tiles": plan["tiles"],
+                **{n: v for n, v in plan["template"] if n in ("NT", "TT")},
             }
-            row["methods"][f"{preset}_kernel"]["tiles"] = plan["tiles"]
             if L == contexts[0]:
                 # Commit of one decode step: K and V rows of one token, all KV heads.
                 x = mx.random.normal((1, Hkv, 1, D)).astype(mx.float16)
@@ -181,32 +231,16 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results):
                     "amortized_us": amort * 1e6,
                     "single_eval_us": single * 1e6,
                 }
-            if preset == "tq4" and L == contexts[-1]:
-                # Where the time goes: other tilings, and the score stage alone.
-                for tiling in ((256, 4), (256, 2), (256, 1), (128, 2), (128, 4)):
-
-                    def tq_t(q, tiling=tiling):
-                        return tq_decode_attention(
-                            q,
-                            kc,
-                            kn,
-                            vc,
-                            vn,
-                            quant,
-                            scale=scale,
-                            position=L - 1,
-                            backend=backend,
-                            _tilings=(tiling,),
-                        )
-
-                    rec(f"tq4_kernel_NT{tiling[0]}_TT{tiling[1]}", tq_t, q0, nbytes, peak=False)
-
-                def tq_k(q):
-                    return tq_decode_attention(
-                        q, kc, kn, vc, vn, quant, scale=scale, position=L - 1, backend=backend, _skip_v=True
+            if sweep and mma and L == contexts[-1]:
+                # Keys per warp (16-key tiles) around the heuristic's choice.
+                for tpw in (4, 8, 16, 32, 64):
+                    rec(
+                        f"{preset}_mma_TPW{tpw}",
+                        lambda q, tpw=tpw: tq(q, _tiles_per_warp=tpw),
+                        q0,
+                        nbytes,
+                        peak=False,
                     )
-
-                rec("tq4_kernel_scores_only", tq_k, q0, nbytes, peak=False)
             del kc, vc, kn, vn
         fp16 = row["methods"]["fp16_sdpa"]["amortized_us"]
         for m in row["methods"].values():
@@ -254,12 +288,20 @@ def markdown(meta, rows) -> str:
                 f"| {r['shape']} | {r['context']} | {name} | {m['amortized_us']:.1f} | {m['single_eval_us']:.1f} | "
                 f"{m['bytes'] / 1e6:.1f} | {m['GBps']:.0f} | {m['vs_fp16_sdpa']:.2f} | {peak} |"
             )
-    lines += ["", "Commit (tq_quantize of one token's K and V, all KV heads), per decode step:", ""]
+    lines += [
+        "",
+        "Commit (tq_quantize of one token's K and V, all KV heads), per decode step:",
+        "",
+    ]
     lines += ["| shape | preset | amortized us | single-eval us |", "|---|---|---|---|"]
     for r in rows:
         for p, c in r.get("commit", {}).items():
             lines.append(f"| {r['shape']} | {p} | {c['amortized_us']:.1f} | {c['single_eval_us']:.1f} |")
-    lines += ["", "Speed-up of the TurboQuant kernels over mlx-lm-style affine 4-bit attention:", ""]
+    lines += [
+        "",
+        "Speed-up of the TurboQuant kernels over mlx-lm-style affine 4-bit attention:",
+        "",
+    ]
     for r in rows:
         s = ", ".join(
             f"{p} {r['methods'][f'{p}_kernel'].get('speedup_vs_affine4', float('nan')):.2f}x" for p in PRESETS
@@ -271,25 +313,46 @@ def markdown(meta, rows) -> str:
 def probe(L: int = 131072, preset: str = "tq4") -> None:
     """A few decode calls at one shape, for a profiler (ncu) to pick kernels from."""
     kb, vb = PRESETS[preset]
-    quant = LayerQuant(0, side_quant(kb, 128, "auto", 0, 0, "k"), side_quant(vb, 128, "auto", 0, 0, "v"))
+    quant = LayerQuant(
+        0,
+        side_quant(kb, 128, "auto", 0, 0, "k"),
+        side_quant(vb, 128, "auto", 0, 0, "v"),
+    )
     kc, vc = (_random_words((1, 8, L, w)) for w in (quant.k.words, quant.v.words))
     kn = mx.random.uniform(0.5, 2.0, (1, 8, L))
     vn = mx.random.uniform(0.5, 2.0, (1, 8, L))
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
     for _ in range(6):
         q = tq_decode_attention(
-            q, kc, kn, vc, vn, quant, scale=128**-0.5, position=L - 1, backend=auto_backend()
+            q,
+            kc,
+            kn,
+            vc,
+            vn,
+            quant,
+            scale=128**-0.5,
+            position=L - 1,
+            backend=auto_backend(),
         )
         mx.eval(q)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--probe", action="store_true", help="only run a few tq4 decode calls at 128k (for ncu)")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="only run a few tq4 decode calls at 128k (for ncu)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--n-chain", type=int, default=20)
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--quick", action="store_true", help="llama shape only")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time other keys-per-warp at the last context",
+    )
     args = ap.parse_args()
     if args.probe:
         probe()
@@ -298,7 +361,11 @@ def main():
     try:
         device = (
             subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,memory.total,driver_version",
+                    "--format=csv,noheader",
+                ],
                 capture_output=True,
                 text=True,
             ).stdout.strip()
@@ -317,9 +384,18 @@ def main():
     }
     print(json.dumps(meta), flush=True)
     rows: list = []
-    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows)
+    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows, args.sweep)
     if not args.quick:
-        bench_shape("gemma-like Hq4 Hkv1 D256", 4, 1, 256, contexts, args.n_chain, rows)
+        bench_shape(
+            "gemma-like Hq4 Hkv1 D256",
+            4,
+            1,
+            256,
+            contexts,
+            args.n_chain,
+            rows,
+            args.sweep,
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:

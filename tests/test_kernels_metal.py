@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from turbospark_mlx import _kernels, kernel_build
 from turbospark_mlx.kernel_build import ArgInfo, cuda_source, metal_source, render
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
-from turbospark_mlx.tq_kernels import _rotation, decode_plan
+from turbospark_mlx.tq_kernels import _rotation, decode_plan, mma_plan
 
 SHIM = Path(__file__).resolve().parent / "metal_shim"
 CUDA_SHIM = Path(__file__).resolve().parent / "cuda_shim" / "cuda_shim.h"
@@ -162,7 +163,7 @@ def _compile(source: str, tmp_path: Path, name: str) -> subprocess.CompletedProc
 
 
 def test_dialect_tokens_substituted_textually():
-    for op in kernel_build.SPECS:
+    for op in kernel_build.ops_for("metal"):
         for backend in ("metal", "cuda"):
             header, body = render(op, backend)
             assert not re.search(r"\bTS_(TID|GROUP_X|GROUP_Y|LANE)\b", body), (op, backend)
@@ -185,7 +186,13 @@ def test_metal_source_matches_mlx_signature_rules():
     assert f"decltype({name}<float16_t, 128>) {name}<float16_t, 128>;" in src
 
 
-@pytest.mark.parametrize("op", sorted(kernel_build.SPECS))
+def test_cuda_only_kernel_refuses_metal():
+    assert "tq_decode_mma" not in kernel_build.ops_for("metal")
+    with pytest.raises(ValueError, match="cuda only"):
+        render("tq_decode_mma", "metal")
+
+
+@pytest.mark.parametrize("op", sorted(kernel_build.ops_for("metal")))
 def test_metal_kernels_compile_through_shim(op, tmp_path):
     variants = _variants()[op]
     assert variants
@@ -210,7 +217,7 @@ def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
     assert "flaot" in result.stderr
 
 
-@pytest.mark.parametrize("op", sorted(kernel_build.SPECS))
+@pytest.mark.parametrize("op", sorted(kernel_build.ops_for("metal")))
 def test_cuda_kernels_typecheck_through_shim(op, tmp_path):
     """The CUDA text of a sample of variants type-checks on the CPU (NVRTC compiles it on the GPU)."""
     variants = _variants()[op]
@@ -234,3 +241,66 @@ def test_cuda_kernels_typecheck_through_shim(op, tmp_path):
             text=True,
         )
         assert result.returncode == 0, (template, result.stderr[-4000:])
+
+
+# (K bits, V bits, head_dim, query heads per KV head, query rows): every bit width and head_dim
+# on each side, shared and separate tables, 1 to 16 score rows (one and two 8-row blocks).
+MMA_SAMPLE = (
+    (4, 4, 128, 4, 1),
+    (3, 3, 128, 4, 1),
+    (8, 4, 128, 4, 1),
+    (2, 2, 64, 8, 1),
+    (4, 3, 256, 4, 1),
+    (8, 8, 64, 1, 1),
+    (3, 2, 64, 16, 1),
+    (2, 8, 256, 4, 3),
+    (4, 4, 128, 16, 1),
+    (8, 3, 256, 8, 1),
+)
+
+
+def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
+    """The source MLX's cuda_kernel builds for one tq_decode_mma launch (MLX's own header
+    replaced by tests/cuda_shim/mlx_device.cuh)."""
+    f32, u32, i32 = mx.float32, mx.uint32, mx.int32
+    qdt = (mx.float16, mx.bfloat16, mx.float32)[i % 3]
+    q = _quant(kb, vb, d)
+    plan = mma_plan(
+        q, g, m, d, 8, 5000, scale=d**-0.5, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt
+    )
+    ins = [
+        ArgInfo(qdt, 4, 8 * g * m * d),
+        ArgInfo(u32, 4, 8 * 4096 * q.k.words),
+        ArgInfo(f32, 3, 8 * 4096),
+        ArgInfo(u32, 4, 8 * 4096 * q.v.words),
+        ArgInfo(f32, 3, 8 * 4096),
+        *[ArgInfo(a.dtype, a.ndim, a.size) for a in plan["tables"]],
+        ArgInfo(f32, 1, 8),
+        ArgInfo(i32, 1, 2),
+        ArgInfo(i32, 1, 8),
+    ]
+    return '#include "mlx_device.cuh"\n' + cuda_source(
+        "tq_decode_mma", ins, [qdt, f32, u32], plan["template"]
+    )
+
+
+def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
+    """The tensor-core kernel (inline PTX: mma.sync, movmatrix) compiled for sm_90a by nvcc, as
+    NVRTC compiles it on the GPU (the CPU shim cannot check PTX); no register spills at the
+    benchmark's llama shape (tq4, D 128, 4 query heads per KV head)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to compile the CUDA-only kernel")
+
+    def compile_one(i):
+        path = tmp_path / f"mma_{i}.cu"
+        path.write_text(_mma_unit(i, *MMA_SAMPLE[i]))
+        cmd = [nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"mma_{i}.cubin"), "-Xptxas", "-v"]
+        cmd += ["-expt-relaxed-constexpr", f"-I{CUDA_SHIM.parent}", str(path)]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(compile_one, range(len(MMA_SAMPLE))))
+    for sample, r in zip(MMA_SAMPLE, results):
+        assert r.returncode == 0, (sample, r.stderr[-4000:])
+    assert "0 bytes spill stores" in results[0].stderr, results[0].stderr[-2000:]

@@ -50,11 +50,14 @@ DIALECT: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One op: its body file and argument names (order = call order)."""
+    """One op: its body file, argument names (order = call order), the backends it is
+    written for and any headers of its own (after the prelude and tq_common.h)."""
 
     op: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    backends: tuple[str, ...] = GPU_BACKENDS
+    headers: tuple[str, ...] = ()
 
 
 SPECS: dict[str, KernelSpec] = {
@@ -78,6 +81,27 @@ SPECS: dict[str, KernelSpec] = {
             ("part_o", "part_ms"),
         ),
         KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot"), ("out",)),
+        # Tensor-core decode (mma.sync), one launch: NVIDIA only.
+        KernelSpec(
+            "tq_decode_mma",
+            (
+                "q",
+                "k_codes",
+                "k_norms",
+                "v_codes",
+                "v_norms",
+                "k_lut",
+                "v_lut",
+                "k_rot",
+                "v_rot",
+                "sinks",
+                "prm",
+                "kv_starts",
+            ),
+            ("out", "part", "ticket"),
+            backends=("cuda",),
+            headers=("tq_mma_cuda.h",),
+        ),
     )
 }
 
@@ -87,13 +111,22 @@ def _check(backend: str, op: str) -> KernelSpec:
         raise ValueError(f"no kernel backend {backend!r}; kernel backends: {', '.join(GPU_BACKENDS)}")
     if op not in SPECS:
         raise ValueError(f"no kernel {op!r}; kernels: {', '.join(SPECS)}")
+    if backend not in SPECS[op].backends:
+        raise ValueError(
+            f"kernel {op!r} is written for {', '.join(SPECS[op].backends)} only, not {backend!r}"
+        )
     return SPECS[op]
+
+
+def ops_for(backend: str) -> list[str]:
+    """The ops written for `backend`."""
+    return [op for op, spec in SPECS.items() if backend in spec.backends]
 
 
 def render(op: str, backend: str) -> tuple[str, str]:
     """(header, body) of `op` for `backend`: prelude + shared helpers, and the body with tokens substituted."""
-    _check(backend, op)
-    header = kernel_source(f"prelude_{backend}.h") + "\n" + kernel_source("tq_common.h")
+    spec = _check(backend, op)
+    header = "\n".join(kernel_source(n) for n in (f"prelude_{backend}.h", "tq_common.h", *spec.headers))
     table = DIALECT[backend]
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, table)) + r")\b")
     body = pattern.sub(lambda m: table[m.group(1)], kernel_source(f"{op}.kernel"))
@@ -106,8 +139,9 @@ def kernel_name(op: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def get_kernel(op: str, backend: str):
-    """The MLX kernel object for (op, backend), built once per process."""
+def get_kernel(op: str, backend: str, shared_memory: int = 0):
+    """The MLX kernel object for (op, backend), built once per process (and per dynamic
+    shared memory size: MLX fixes it per kernel object)."""
     spec = _check(backend, op)
     header, body = render(op, backend)
     if backend == "metal":
@@ -124,6 +158,7 @@ def get_kernel(op: str, backend: str):
         output_names=list(spec.outputs),
         source=body,
         header=header,
+        shared_memory=shared_memory,
     )
 
 

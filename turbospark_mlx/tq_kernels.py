@@ -20,6 +20,7 @@ import struct
 import weakref
 
 import mlx.core as mx
+import numpy as np
 
 from . import backend as _backend
 from .kernel_build import get_kernel
@@ -98,7 +99,13 @@ def tq_quantize(x: mx.array, side: SideQuant, backend: str | None = None) -> tup
     rot_kind, rot = _rotation(side)
     codes, norms = get_kernel("tq_quantize", backend)(
         inputs=[x.reshape(rows, d), rot, _padded(side, "boundaries")],
-        template=[("T", x.dtype), ("D", d), ("BITS", side.bits), ("W", side.words), ("ROT", rot_kind)],
+        template=[
+            ("T", x.dtype),
+            ("D", d),
+            ("BITS", side.bits),
+            ("W", side.words),
+            ("ROT", rot_kind),
+        ],
         grid=(32 * rows, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(rows, side.words), (rows,)],
@@ -221,10 +228,15 @@ def tq_decode_attention(
     kv_start: int | mx.array = 0,
     sinks: mx.array | None = None,
     backend: str,
+    variant: str = "auto",
     _tilings=None,
     _skip_v: bool = False,
+    _tiles_per_warp: int | None = None,
 ) -> mx.array:
     """M query rows at positions [position, position + M) over a packed cache, causally.
+
+    On CUDA the tensor-core kernel (`tq_decode_mma`) serves long contexts at the head
+    dims where it measured faster (MMA_AUTO_*); the dialect kernels serve the rest and Metal.
 
     Args:
         queries: (B, Hq, M, D).
@@ -235,13 +247,39 @@ def tq_decode_attention(
         kv_start: keys before it are ignored; int or (B,) int array.
         sinks: (Hq,) sink logits or None.
         backend: "metal" or "cuda".
-        _tilings, _skip_v: benchmark knobs (tiling order; leave the V stage out).
+        variant: "auto", "mma" (CUDA tensor cores; an error if it cannot serve the shape)
+            or "dialect" (the one-source kernels, also used on Metal).
+        _tilings, _skip_v: benchmark knobs of the dialect kernels (tiling order; leave the
+            V stage out); _tiles_per_warp: the tensor-core kernel's keys per warp / 16.
     Returns:
         (B, Hq, M, D) in the queries' dtype.
     """
     B, Hq, M, D = queries.shape
     Hkv = k_codes.shape[1]
     G = Hq // Hkv
+    if variant not in ("auto", "mma", "dialect"):
+        raise ValueError(f"unknown decode kernel variant {variant!r}; valid: auto, mma, dialect")
+    if variant != "dialect" and backend == "cuda":
+        reason = tq_mma_unsupported(quant, G, M, D)
+        prefer = variant == "mma" or (D in MMA_AUTO_HEAD_DIMS and position + M >= MMA_AUTO_MIN_CONTEXT)
+        if reason is None and prefer:
+            return tq_decode_mma(
+                queries,
+                k_codes,
+                k_norms,
+                v_codes,
+                v_norms,
+                quant,
+                scale=scale,
+                position=position,
+                kv_start=kv_start,
+                sinks=sinks,
+                _tiles_per_warp=_tiles_per_warp,
+            )
+        if variant == "mma":
+            raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {reason}")
+    elif variant == "mma":
+        raise _backend.KernelUnsupported(f"tensor-core decode runs on CUDA only, not {backend!r}")
     per = _rows_per_call(quant, G, D, M)
     if per < M:  # too many query rows for one call's threadgroup memory: split them
         outs = [
@@ -257,6 +295,7 @@ def tq_decode_attention(
                 kv_start=kv_start,
                 sinks=sinks,
                 backend=backend,
+                variant="dialect",
             )
             for m0 in range(0, M, per)
         ]
@@ -266,7 +305,16 @@ def tq_decode_attention(
     cap = k_codes.shape[2]
     has_starts = isinstance(kv_start, mx.array)
     plan = decode_plan(
-        quant, G, M, D, B * Hkv, end, scale=scale, has_starts=has_starts, tilings=_tilings, skip_v=_skip_v
+        quant,
+        G,
+        M,
+        D,
+        B * Hkv,
+        end,
+        scale=scale,
+        has_starts=has_starts,
+        tilings=_tilings,
+        skip_v=_skip_v,
     )
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
     # Per-step values travel in 8 bytes (MLX CUDA's scalar pool); larger host arrays
@@ -323,5 +371,276 @@ def tq_decode_attention(
         threadgroup=(D * tsl, 1, 1),
         output_shapes=[(B, Hq, M, D)],
         output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+# -- decode attention on tensor cores (CUDA) ---------------------------------
+
+# What tq_decode_mma.kernel serves; other shapes take the dialect kernels above.
+MMA_HEAD_DIMS = (64, 128, 256)
+MMA_BITS = (2, 3, 4, 8)
+MMA_MAX_ROWS = 16  # query rows (G * M) of one KV head per call: one m16 score tile
+MMA_WARPS = 4
+MMA_MIN_TILES = 4  # 16-key tiles per warp, at least: the tables cost each block a fill
+MMA_SMS = 132  # an H200's SMs
+# Blocks per SM the split count aims at: on the H200 at 128k, 2 (32 splits per KV head)
+# beat one full wave of 4 (166 vs 188 us for tq4): fewer partials to merge, fewer table fills.
+MMA_BLOCKS_PER_SM = 2
+# What the automatic choice sends to the tensor-core kernel, from the H200 measurements
+# (benchmarks/results/decode_attention.md): at D 128 it is faster than the dialect kernels
+# from 32k keys on (tq3 1.4x, k8v4 1.4x at 128k, tq4 1.2x) and slower at 4k (one more
+# launch's worth of fills and table set-up); at D 256 it is slower (2 blocks per SM for
+# its registers). Shorter contexts and D 256 take the dialect kernels unless asked.
+MMA_AUTO_HEAD_DIMS = (64, 128)
+MMA_AUTO_MIN_CONTEXT = 32768
+MMA_MAX_SPLITS = 1024
+
+_LOG2E = 1.4426950408889634
+
+
+def _lut_entries(bits: int) -> int:
+    return 256 if bits == 8 else 1 << (2 * bits)
+
+
+def _mma_lut(side: SideQuant) -> mx.array:
+    """The side's lookup table for tq_decode_mma: centroids * sqrt(d) in float16, one
+    half2 per pair of codes for 2/3/4 bits (the pair's bits as the packing lays them
+    out: plane 0 bits of both coordinates, then the high plane's for 3 bits), one half
+    per code for 8 bits."""
+    cache = _tables.setdefault(side, {})
+    if "mma_lut" not in cache:
+        c = (np.asarray(side.centroids, dtype=np.float64) * side.head_dim**0.5).astype(np.float16)
+        h = c.view(np.uint16).astype(np.uint32)
+        b = side.bits
+        if b == 8:
+            table = h
+        else:
+            e = np.arange(1 << (2 * b), dtype=np.uint32)
+            if b == 3:
+                lo, hi = e & 15, e >> 4
+                first = (lo & 3) | ((hi & 1) << 2)
+                second = (lo >> 2) | ((hi >> 1) << 2)
+            else:
+                first, second = e & ((1 << b) - 1), e >> b
+            table = h[first] | (h[second] << 16)
+        cache["mma_lut"] = mx.array(table.astype(np.uint32))
+        mx.eval(cache["mma_lut"])
+    return cache["mma_lut"]
+
+
+def _same_codebook(quant: LayerQuant) -> bool:
+    """K and V share one table when their codebooks are equal: a Lloyd-Max codebook is a
+    function of (bits, d) alone (quant.codebook.lloyd_max_codebook)."""
+    return quant.k.bits == quant.v.bits and quant.k.head_dim == quant.v.head_dim
+
+
+def tq_mma_unsupported(quant: LayerQuant, group: int, rows: int, head_dim: int) -> str | None:
+    """Why tq_decode_mma cannot serve this call shape, or None."""
+    if head_dim not in MMA_HEAD_DIMS:
+        return f"head_dim {head_dim} (tensor-core decode covers {MMA_HEAD_DIMS})"
+    for side, what in ((quant.k, "K"), (quant.v, "V")):
+        if side.bits not in MMA_BITS:
+            return f"{what} bits {side.bits} (tensor-core decode covers {MMA_BITS})"
+    if group > MMA_MAX_ROWS:
+        return f"{group} query heads per KV head (tensor-core decode takes <= {MMA_MAX_ROWS})"
+    return None
+
+
+def _mma_config(
+    quant: LayerQuant,
+    group: int,
+    rows: int,
+    head_dim: int,
+    scale: float,
+    has_starts: bool,
+    has_sink: bool,
+    out_dtype: mx.Dtype,
+) -> tuple[list, int, int, int, int]:
+    """(template, shared memory bytes, R, RP, resident blocks per SM, [K table, V table,
+    Π_K, Π_V]) of a call shape.
+    Cached beside the K tables: a decode step only adds the split count (the kernel
+    derives keys per warp from it)."""
+    cache = _tables.setdefault(quant.k, {})
+    key = (
+        "mma",
+        quant.v.bits,
+        quant.v.rotation.kind,
+        group,
+        rows,
+        head_dim,
+        scale,
+        has_starts,
+        has_sink,
+        out_dtype,
+    )
+    if key not in cache:
+        cache[key] = _mma_config_uncached(
+            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
+        )
+    return cache[key]
+
+
+def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype):
+    tables = [_mma_lut(quant.k), _mma_lut(quant.v), _rotation(quant.k)[1], _rotation(quant.v)[1]]
+    R = group * rows
+    RP = 8 if R <= 8 else 16
+    D = head_dim
+    KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
+    shared_table = _same_codebook(quant)
+    vlut_off = 0 if shared_table else 32 * KE
+    lut_words = 32 * KE + (0 if shared_table else 32 * VE)
+    smem = 4 * max(lut_words + D * RP + RP, MMA_WARPS * (RP * D + 2 * RP), D * RP + 2 * RP)
+    # Resident blocks per SM, from the registers ptxas gives the variants (sm_90):
+    # ~128 for 2/3/4-bit at D <= 128 with 8 rows, 160-220 for 8-bit K, 16 rows or D 256.
+    per_sm = 4 if (D <= 128 and RP == 8 and quant.k.bits != 8) else 3 if D <= 128 else 2
+    template = [
+        ("D", D),
+        ("KB", quant.k.bits),
+        ("VB", quant.v.bits),
+        ("G", group),
+        ("M", rows),
+        ("R", R),
+        ("RP", RP),
+        ("NWARP", MMA_WARPS),
+        ("KROT", _rotation(quant.k)[0]),
+        ("VROT", _rotation(quant.v)[0]),
+        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]),
+        ("HAS_STARTS", has_starts),
+        ("HAS_SINK", has_sink),
+        ("VLUT_OFF", vlut_off),
+        ("OT", out_dtype),
+    ]
+    return template, smem, R, RP, per_sm, tables
+
+
+def mma_plan(
+    quant: LayerQuant,
+    group: int,
+    rows: int,
+    head_dim: int,
+    n_seq_heads: int,
+    end: int,
+    *,
+    scale: float,
+    has_starts: bool,
+    has_sink: bool,
+    out_dtype: mx.Dtype,
+    tiles_per_warp: int | None = None,
+) -> dict:
+    """Template values, launch shape and shared memory of one tq_decode_mma call.
+
+    Splits: one wave of resident blocks over all (b, KV head), at least MMA_MIN_TILES
+    16-key tiles per warp (the tables cost each block a fill) and at most MMA_MAX_SPLITS."""
+    template, smem, R, RP, per_sm, tables = _mma_config(
+        quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
+    )
+    tiles = -(-end // 16)
+    if tiles_per_warp is None:
+        per_head = max(1, MMA_SMS * min(per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
+        tiles_per_warp = max(MMA_MIN_TILES, -(-tiles // (MMA_WARPS * per_head)))
+        tiles_per_warp = max(tiles_per_warp, -(-tiles // (MMA_WARPS * MMA_MAX_SPLITS)))
+    splits = -(-tiles // (MMA_WARPS * tiles_per_warp))
+    return dict(
+        template=template,
+        splits=splits,
+        smem=smem,
+        R=R,
+        RP=RP,
+        tiles_per_warp=tiles_per_warp,
+        tables=tables,
+    )
+
+
+def tq_decode_mma(
+    queries: mx.array,
+    k_codes: mx.array,
+    k_norms: mx.array,
+    v_codes: mx.array,
+    v_norms: mx.array,
+    quant: LayerQuant,
+    *,
+    scale: float,
+    position: int,
+    kv_start: int | mx.array = 0,
+    sinks: mx.array | None = None,
+    _tiles_per_warp: int | None = None,
+) -> mx.array:
+    """`tq_decode_attention` on CUDA tensor cores, in one launch (see tq_decode_mma.kernel).
+
+    fp16 operands with fp32 accumulation: q'/||q'||, centroids and softmax weights are
+    rounded to fp16 (relative 2^-11), so the output matches the fp32 reference to ~1e-3
+    relative, far below the 4-bit quantization error it sits on.
+    """
+    B, Hq, M, D = queries.shape
+    Hkv = k_codes.shape[1]
+    G = Hq // Hkv
+    per = max(1, MMA_MAX_ROWS // G)
+    if per < M:  # more query rows than one score tile: split them
+        return mx.concatenate(
+            [
+                tq_decode_mma(
+                    queries[:, :, m0 : m0 + per],
+                    k_codes,
+                    k_norms,
+                    v_codes,
+                    v_norms,
+                    quant,
+                    scale=scale,
+                    position=position + m0,
+                    kv_start=kv_start,
+                    sinks=sinks,
+                )
+                for m0 in range(0, M, per)
+            ],
+            axis=2,
+        )
+    has_starts = isinstance(kv_start, mx.array)
+    has_sink = sinks is not None
+    plan = mma_plan(
+        quant,
+        G,
+        M,
+        D,
+        B * Hkv,
+        position + M,
+        scale=scale,
+        has_starts=has_starts,
+        has_sink=has_sink,
+        out_dtype=queries.dtype,
+        tiles_per_warp=_tiles_per_warp,
+    )
+    prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
+    if has_starts:
+        starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (B,))
+        if B < 8:
+            starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
+    else:
+        starts = _ZEROS8_I32
+    if has_sink:
+        sink_arr = sinks.astype(mx.float32)
+        if sink_arr.size < 8:
+            sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
+    else:
+        sink_arr = _ZEROS8
+    splits, R, RP = plan["splits"], plan["R"], plan["RP"]
+    out, _, _ = get_kernel("tq_decode_mma", "cuda", plan["smem"])(
+        inputs=[
+            queries,
+            k_codes,
+            k_norms,
+            v_codes,
+            v_norms,
+            *plan["tables"],  # K table, V table, Π_K, Π_V
+            sink_arr,
+            prm,
+            starts,
+        ],
+        template=plan["template"],
+        grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
+        threadgroup=(32 * MMA_WARPS, 1, 1),
+        output_shapes=[(B, Hq, M, D), (B * Hkv, splits, R * D + 2 * RP), (B * Hkv,)],
+        output_dtypes=[queries.dtype, mx.float32, mx.uint32],
+        init_value=0,
     )
     return out

@@ -1,0 +1,113 @@
+// CUDA-only helpers of tq_decode_mma.kernel (tensor-core TurboQuant decode attention).
+// Appended to prelude_cuda.h + tq_common.h. Why a CUDA-only variant: on the H200 the
+// dialect kernel spent ~2k lane instructions per key and head on scalar FMAs and
+// shared-memory codebook loads; here the products run on mma.sync (fp16 in, fp32
+// accumulate) and a code pair costs one shift, one mask and one conflict-free load.
+#pragma once
+
+// D (16x8, fp32) += A (16x16, fp16, row-major) * B (16x8, fp16, column-major).
+// Lane l = 4g + t holds a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..],
+// a3 = A[g+8][2t+8..]; b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];
+// c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1].
+TS_FUNC void ts_mma16816(float* c, uint a0, uint a1, uint a2, uint a3, uint b0, uint b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The transpose of an 8x8 b16 tile held as one register per lane (lane 4g + t: row g,
+// columns 2t and 2t + 1), in the same layout.
+TS_FUNC uint ts_movmatrix_t(uint x) {
+  uint y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+TS_FUNC uint ts_half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint*>(&h);
+}
+
+TS_FUNC float ts_exp2(float x) { return exp2f(x); }
+
+// Largest power of two (<= 4) dividing x: the widest aligned load of words at offset x.
+constexpr int ts_align4(int x) { return (x % 4 == 0) ? 4 : (x % 2 == 0) ? 2 : 1; }
+constexpr int ts_min(int a, int b) { return a < b ? a : b; }
+
+// The words of one bit plane (PB bits per coordinate, plane starting at word POFF of a
+// row of RW words) that hold coordinates [c0, c0 + NC) of the row at `row`. If the run
+// is shorter than a word, out[0] is that word shifted so the run starts at bit 0.
+template <int PB, int NC, int POFF, int RW>
+TS_FUNC void ts_load_plane(const uint* row, int c0, uint* out) {
+  constexpr int NBITS = NC * PB;
+  if (NBITS >= 32) {
+    constexpr int VEC = ts_min(ts_align4(RW), ts_min(ts_align4(POFF), ts_align4(NBITS / 32)));
+    ts_load_words<NBITS / 32, VEC>(row + POFF + (c0 * PB) / 32, out);
+  } else {
+    out[0] = row[POFF + (c0 * PB) / 32] >> ((c0 * PB) % 32);
+  }
+}
+
+// ((w >> shift) & mask) * 128 in two operations (shift may be negative): the byte offset
+// of a table entry when entry e of a lane's column sits at 32 e words.
+TS_FUNC uint ts_field128(uint w, int shift, uint mask) {
+  return (shift >= 7 ? (w >> (shift - 7)) : (w << (7 - shift))) & (mask << 7);
+}
+TS_FUNC uint ts_lut_at(const uint* lut, uint off) { return *(const uint*)((const char*)lut + off); }
+
+// Words of a code chunk (coordinates [c0, c0 + NC) of one vector of D coordinates at
+// BITS bits): plane 0 in lo, and for 3 bits the high plane in hi.
+template <int BITS, int D, int NC>
+struct TsChunk {
+  static constexpr int PB0 = (BITS == 3) ? 2 : BITS;
+  static constexpr int NLO = (NC * PB0 >= 32) ? NC * PB0 / 32 : 1;
+  static constexpr int NHI = (BITS == 3) ? ((NC >= 32) ? NC / 32 : 1) : 0;
+  static constexpr int RW = (BITS == 3) ? (D + 15) / 16 + (D + 31) / 32 : D * BITS / 32;
+  uint lo[NLO];
+  uint hi[NHI > 0 ? NHI : 1];
+
+  TS_FUNC void load(const uint* row, int c0) {
+    ts_load_plane<PB0, NC, 0, RW>(row, c0, lo);
+    if (BITS == 3) ts_load_plane<1, NC, (D + 15) / 16, RW>(row, c0, hi);
+  }
+
+  // Byte offset (entry * 128) in a lane-replicated table of coordinate pair p
+  // (coordinates c0 + 2p, c0 + 2p + 1); BITS 2/3/4.
+  TS_FUNC uint pair(int p) const {
+    if (BITS == 4) return ts_field128(lo[p / 4], 8 * (p % 4), 255u);
+    if (BITS == 2) return ts_field128(lo[p / 8], 4 * (p % 8), 15u);
+    return ts_field128(lo[p / 8], 4 * (p % 8), 15u) | ts_field128(hi[p / 16], 2 * (p % 16) - 4, 3u << 4);
+  }
+  // Byte offset of coordinate c0 + i's entry; BITS 8.
+  TS_FUNC uint single(int i) const { return ts_field128(lo[i / 4], 8 * (i % 4), 255u); }
+};
+
+// Entries of a side's lookup table: a half2 of two coordinates' centroids for 2/3/4 bits
+// (a pair of codes indexes it), one half in the low 16 bits for 8 bits.
+constexpr int ts_lut_entries(int bits) { return bits == 8 ? 256 : 1 << (2 * bits); }
+
+// half2 (coordinates c0 + 2p, c0 + 2p + 1) of one key from its chunk. `lut` points at
+// this lane's column of a table replicated once per lane (entry e at lut[32 e]), so
+// the 32 lanes of a warp always hit 32 different banks.
+template <int BITS, int D, int NC>
+TS_FUNC uint ts_key_pair(const TsChunk<BITS, D, NC>& ch, const uint* lut, int p) {
+  if (BITS == 8) return __byte_perm(ts_lut_at(lut, ch.single(2 * p)), ts_lut_at(lut, ch.single(2 * p + 1)), 0x5410);
+  return ts_lut_at(lut, ch.pair(p));
+}
+
+// For the weighted-V product, whose fragments pair two keys at one coordinate: from
+// keys x and y, the half2s (x[c], y[c]) and (x[c + 1], y[c + 1]) of pair p.
+template <int BITS, int D, int NC>
+TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, const uint* lut,
+                             int p, uint& even, uint& odd) {
+  if (BITS == 8) {
+    even = __byte_perm(ts_lut_at(lut, x.single(2 * p)), ts_lut_at(lut, y.single(2 * p)), 0x5410);
+    odd = __byte_perm(ts_lut_at(lut, x.single(2 * p + 1)), ts_lut_at(lut, y.single(2 * p + 1)), 0x5410);
+  } else {
+    const uint a = ts_lut_at(lut, x.pair(p));
+    const uint b = ts_lut_at(lut, y.pair(p));
+    even = __byte_perm(a, b, 0x5410);
+    odd = __byte_perm(a, b, 0x7632);
+  }
+}
