@@ -70,6 +70,22 @@ def _bits_reason(side: SideQuant, what: str) -> str | None:
     return None
 
 
+def _starts_arg(kv_start: int | mx.array, batch: int) -> mx.array:
+    """Per-sequence kv_start as a >= 8-element int32 array (unused zeros for an int start)."""
+    if not isinstance(kv_start, mx.array):
+        return _ZEROS8_I32
+    starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (batch,))
+    return mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)]) if batch < 8 else starts
+
+
+def _sinks_arg(sinks: mx.array | None) -> mx.array:
+    """Sink logits as a >= 8-element float32 array (unused zeros without sinks)."""
+    if sinks is None:
+        return _ZEROS8
+    a = sinks.astype(mx.float32)
+    return mx.concatenate([a, mx.zeros((8 - a.size,), mx.float32)]) if a.size < 8 else a
+
+
 # -- commit: quantize M rows ------------------------------------------------
 
 
@@ -320,12 +336,7 @@ def tq_decode_attention(
     # Per-step values travel in 8 bytes (MLX CUDA's scalar pool); larger host arrays
     # would land in managed memory and migrate to the GPU every step.
     prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
-    if has_starts:
-        starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (B,))
-        if B < 8:
-            starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
-    else:
-        starts = _ZEROS8_I32
+    starts = _starts_arg(kv_start, B)
     part_o, part_ms = get_kernel("tq_decode_attention", backend)(
         inputs=[
             queries,
@@ -346,12 +357,7 @@ def tq_decode_attention(
         output_dtypes=[mx.float32, mx.float32],
     )
     has_sink = sinks is not None
-    if has_sink:
-        sink_arr = sinks.astype(mx.float32)
-        if sink_arr.size < 8:
-            sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
-    else:
-        sink_arr = _ZEROS8
+    sink_arr = _sinks_arg(sinks)
     tsl = max(1, min(8, 1024 // D))
     vrot_kind, vrot = _rotation(quant.v)
     (out,) = get_kernel("tq_decode_reduce", backend)(
@@ -611,18 +617,8 @@ def tq_decode_mma(
         tiles_per_warp=_tiles_per_warp,
     )
     prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
-    if has_starts:
-        starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (B,))
-        if B < 8:
-            starts = mx.concatenate([starts, mx.zeros((8 - B,), mx.int32)])
-    else:
-        starts = _ZEROS8_I32
-    if has_sink:
-        sink_arr = sinks.astype(mx.float32)
-        if sink_arr.size < 8:
-            sink_arr = mx.concatenate([sink_arr, mx.zeros((8 - sink_arr.size,), mx.float32)])
-    else:
-        sink_arr = _ZEROS8
+    starts = _starts_arg(kv_start, B)
+    sink_arr = _sinks_arg(sinks)
     splits, R, RP = plan["splits"], plan["R"], plan["RP"]
     out, _, _ = get_kernel("tq_decode_mma", "cuda", plan["smem"])(
         inputs=[
