@@ -29,7 +29,16 @@ TS_FUNC uint ts_half2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint*>(&h);
 }
 
-TS_FUNC float ts_exp2(float x) { return exp2f(x); }
+// exp2 on the SFU with denormals flushed: exp2f's non-ftz path costs a compare, two
+// multiplies and a branch per call, and softmax weights below 2^-126 do not matter.
+TS_FUNC float ts_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte p of w, zero-extended (one PRMT).
+TS_FUNC uint ts_byte(uint w, int p) { return __byte_perm(w, 0u, 0x4440 | p); }
 
 // Largest power of two (<= 4) dividing x: the widest aligned load of words at offset x.
 constexpr int ts_align4(int x) { return (x % 4 == 0) ? 4 : (x % 2 == 0) ? 2 : 1; }
@@ -75,12 +84,12 @@ struct TsChunk {
   // Byte offset (entry * 128) in a lane-replicated table of coordinate pair p
   // (coordinates c0 + 2p, c0 + 2p + 1); BITS 2/3/4.
   TS_FUNC uint pair(int p) const {
-    if (BITS == 4) return ts_field128(lo[p / 4], 8 * (p % 4), 255u);
+    if (BITS == 4) return ts_byte(lo[p / 4], p % 4) << 7;  // PRMT + the address LEA
     if (BITS == 2) return ts_field128(lo[p / 8], 4 * (p % 8), 15u);
     return ts_field128(lo[p / 8], 4 * (p % 8), 15u) | ts_field128(hi[p / 16], 2 * (p % 16) - 4, 3u << 4);
   }
   // Byte offset of coordinate c0 + i's entry; BITS 8.
-  TS_FUNC uint single(int i) const { return ts_field128(lo[i / 4], 8 * (i % 4), 255u); }
+  TS_FUNC uint single(int i) const { return ts_byte(lo[i / 4], i % 4) << 7; }
 };
 
 // Entries of a side's lookup table: a half2 of two coordinates' centroids for 2/3/4 bits

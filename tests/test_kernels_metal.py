@@ -279,9 +279,7 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
         ArgInfo(i32, 1, 2),
         ArgInfo(i32, 1, 8),
     ]
-    return '#include "mlx_device.cuh"\n' + cuda_source(
-        "tq_decode_mma", ins, [qdt, f32, u32], plan["template"]
-    )
+    return '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [qdt, f32], plan["template"])
 
 
 def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):

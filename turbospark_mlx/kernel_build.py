@@ -98,7 +98,7 @@ SPECS: dict[str, KernelSpec] = {
                 "prm",
                 "kv_starts",
             ),
-            ("out", "part", "ticket"),
+            ("out", "part"),
             backends=("cuda",),
             headers=("tq_mma_cuda.h",),
         ),
@@ -130,7 +130,20 @@ def render(op: str, backend: str) -> tuple[str, str]:
     table = DIALECT[backend]
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, table)) + r")\b")
     body = pattern.sub(lambda m: table[m.group(1)], kernel_source(f"{op}.kernel"))
-    return header, body
+    return _strip_comments(header), _strip_comments(body)
+
+
+def _strip_comments(src: str) -> str:
+    """`src` without // comments and blank lines. MLX rebuilds and hashes the whole kernel
+    source on every call (~0.3 us per KB on MLX CUDA, benchmarks/launch_overhead.py), and
+    the comments are half of it. Lines holding a string literal are kept whole."""
+    out = []
+    for line in src.splitlines():
+        if '"' not in line and "//" in line:
+            line = line[: line.index("//")]
+        if line.strip():
+            out.append(line.rstrip())
+    return "\n".join(out) + "\n"
 
 
 def kernel_name(op: str) -> str:
