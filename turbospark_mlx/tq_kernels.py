@@ -38,6 +38,16 @@ _ZEROS8_I32 = mx.zeros((8,), mx.int32)
 _tables: "weakref.WeakKeyDictionary[SideQuant, dict[str, mx.array]]" = weakref.WeakKeyDictionary()
 
 
+def _resident(a: mx.array) -> mx.array:
+    """A copy of `a` made by an op, evaluated. On MLX CUDA an array built from host data
+    lives in managed memory, which a kernel reads through page faults or over PCIe; an
+    op's output lives in device memory. (`a` stays referenced, so MLX cannot donate its
+    buffer to the copy.)"""
+    b = a + 0
+    mx.eval(b)
+    return b
+
+
 def _padded(side: SideQuant, name: str) -> mx.array:
     """side.centroids / side.boundaries padded to >= 8 entries, so Metal always passes them in
     `device` space (MLX puts inputs of < 8 elements in `constant` space: another signature)."""
@@ -46,8 +56,7 @@ def _padded(side: SideQuant, name: str) -> mx.array:
         a = getattr(side, name).astype(mx.float32)
         if a.size < 8:
             a = mx.concatenate([a, mx.zeros((8 - a.size,), mx.float32)])
-        mx.eval(a)
-        cache[name] = a
+        cache[name] = _resident(a)
     return cache[name]
 
 
@@ -58,9 +67,7 @@ def _rotation(side: SideQuant) -> tuple[int, mx.array]:
     if "rot" not in cache:
         r = side.rotation
         arr = r.signs if r.kind == "hadamard" else r.matrix
-        arr = arr.astype(mx.float32)
-        mx.eval(arr)
-        cache["rot"] = (0 if r.kind == "hadamard" else 1, arr)
+        cache["rot"] = (0 if r.kind == "hadamard" else 1, _resident(arr.astype(mx.float32)))
     return cache["rot"]
 
 
@@ -276,9 +283,9 @@ def tq_decode_attention(
     if variant not in ("auto", "mma", "dialect"):
         raise ValueError(f"unknown decode kernel variant {variant!r}; valid: auto, mma, dialect")
     if variant != "dialect" and backend == "cuda":
-        reason = tq_mma_unsupported(quant, G, M, D)
         prefer = variant == "mma" or (D in MMA_AUTO_HEAD_DIMS and position + M >= MMA_AUTO_MIN_CONTEXT)
-        if reason is None and prefer:
+        reason = tq_mma_unsupported(quant, G, M, D) if prefer else "not chosen"
+        if reason is None:
             return tq_decode_mma(
                 queries,
                 k_codes,
@@ -298,24 +305,22 @@ def tq_decode_attention(
         raise _backend.KernelUnsupported(f"tensor-core decode runs on CUDA only, not {backend!r}")
     per = _rows_per_call(quant, G, D, M)
     if per < M:  # too many query rows for one call's threadgroup memory: split them
-        outs = [
-            tq_decode_attention(
-                queries[:, :, m0 : m0 + per],
-                k_codes,
-                k_norms,
-                v_codes,
-                v_norms,
-                quant,
-                scale=scale,
-                position=position + m0,
-                kv_start=kv_start,
-                sinks=sinks,
-                backend=backend,
-                variant="dialect",
-            )
-            for m0 in range(0, M, per)
-        ]
-        return mx.concatenate(outs, axis=2)
+        return _split_rows(
+            tq_decode_attention,
+            per,
+            queries,
+            k_codes,
+            k_norms,
+            v_codes,
+            v_norms,
+            quant,
+            scale=scale,
+            position=position,
+            kv_start=kv_start,
+            sinks=sinks,
+            backend=backend,
+            variant="dialect",
+        )
 
     end = position + M
     cap = k_codes.shape[2]
@@ -394,12 +399,12 @@ MMA_SMS = 132  # an H200's SMs
 # beat one full wave of 4 (166 vs 188 us for tq4): fewer partials to merge, fewer table fills.
 MMA_BLOCKS_PER_SM = 2
 # What the automatic choice sends to the tensor-core kernel, from the H200 measurements
-# (benchmarks/results/decode_attention.md): at D 128 it is faster than the dialect kernels
-# from 32k keys on (tq3 1.4x, k8v4 1.4x at 128k, tq4 1.2x) and slower at 4k (one more
-# launch's worth of fills and table set-up); at D 256 it is slower (2 blocks per SM for
-# its registers). Shorter contexts and D 256 take the dialect kernels unless asked.
+# (benchmarks/results/decode_attention_mma_sweep.md, session 3): at D 128 it is as fast as
+# or faster than the dialect kernels from 4k keys on (4k: tq4 69.8 vs 70.0 us, tq3 63.4 vs
+# 76.7; 128k: tq4 128.5 vs 191.6), and slower at D 256 (tq4 201.4 vs 135.0 us at 128k: its
+# registers leave 2 blocks per SM). Below 4k and at D 256 the dialect kernels serve.
 MMA_AUTO_HEAD_DIMS = (64, 128)
-MMA_AUTO_MIN_CONTEXT = 32768
+MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
 
 _LOG2E = 1.4426950408889634
@@ -430,8 +435,7 @@ def _mma_lut(side: SideQuant) -> mx.array:
             else:
                 first, second = e & ((1 << b) - 1), e >> b
             table = h[first] | (h[second] << 16)
-        cache["mma_lut"] = mx.array(table.astype(np.uint32))
-        mx.eval(cache["mma_lut"])
+        cache["mma_lut"] = _resident(mx.array(table.astype(np.uint32)))
     return cache["mma_lut"]
 
 
@@ -467,7 +471,7 @@ def _mma_config(
     Π_K, Π_V]) of a call shape.
     Cached beside the K tables: a decode step only adds the split count (the kernel
     derives keys per warp from it)."""
-    cache = _tables.setdefault(quant.k, {})
+    cache = _tables.get(quant.k) or _tables.setdefault(quant.k, {})
     key = (
         "mma",
         quant.v.bits,
@@ -480,11 +484,12 @@ def _mma_config(
         has_sink,
         out_dtype,
     )
-    if key not in cache:
-        cache[key] = _mma_config_uncached(
+    cfg = cache.get(key)
+    if cfg is None:
+        cfg = cache[key] = _mma_config_uncached(
             quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
         )
-    return cache[key]
+    return cfg
 
 
 def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype):
@@ -520,6 +525,13 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     return template, smem, R, RP, per_sm, tables
 
 
+def _mma_tiles_per_warp(tiles: int, n_seq_heads: int, per_sm: int) -> int:
+    """16-key tiles per warp: one wave of resident blocks over all (b, KV head), at least
+    MMA_MIN_TILES (the tables cost each block a fill), at most MMA_MAX_SPLITS splits."""
+    per_head = max(1, MMA_SMS * min(per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
+    return max(MMA_MIN_TILES, -(-tiles // (MMA_WARPS * per_head)), -(-tiles // (MMA_WARPS * MMA_MAX_SPLITS)))
+
+
 def mma_plan(
     quant: LayerQuant,
     group: int,
@@ -534,28 +546,31 @@ def mma_plan(
     out_dtype: mx.Dtype,
     tiles_per_warp: int | None = None,
 ) -> dict:
-    """Template values, launch shape and shared memory of one tq_decode_mma call.
-
-    Splits: one wave of resident blocks over all (b, KV head), at least MMA_MIN_TILES
-    16-key tiles per warp (the tables cost each block a fill) and at most MMA_MAX_SPLITS."""
+    """Template values, launch shape and shared memory of one tq_decode_mma call."""
     template, smem, R, RP, per_sm, tables = _mma_config(
         quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
     )
     tiles = -(-end // 16)
-    if tiles_per_warp is None:
-        per_head = max(1, MMA_SMS * min(per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
-        tiles_per_warp = max(MMA_MIN_TILES, -(-tiles // (MMA_WARPS * per_head)))
-        tiles_per_warp = max(tiles_per_warp, -(-tiles // (MMA_WARPS * MMA_MAX_SPLITS)))
-    splits = -(-tiles // (MMA_WARPS * tiles_per_warp))
+    tpw = tiles_per_warp or _mma_tiles_per_warp(tiles, n_seq_heads, per_sm)
     return dict(
         template=template,
-        splits=splits,
+        splits=-(-tiles // (MMA_WARPS * tpw)),
         smem=smem,
         R=R,
         RP=RP,
-        tiles_per_warp=tiles_per_warp,
+        tiles_per_warp=tpw,
         tables=tables,
     )
+
+
+def _split_rows(fn, per: int, queries: mx.array, *args, position: int, **kwargs) -> mx.array:
+    """`fn` over query rows [m0, m0 + per) (at positions position + m0), concatenated: for
+    calls with more rows than one launch takes."""
+    parts = [
+        fn(queries[:, :, m0 : m0 + per], *args, position=position + m0, **kwargs)
+        for m0 in range(0, queries.shape[2], per)
+    ]
+    return mx.concatenate(parts, axis=2)
 
 
 def tq_decode_mma(
@@ -577,66 +592,56 @@ def tq_decode_mma(
     fp16 operands with fp32 accumulation: q'/||q'||, centroids and softmax weights are
     rounded to fp16 (relative 2^-11), so the output matches the fp32 reference to ~1e-3
     relative, far below the 4-bit quantization error it sits on.
+
+    This runs once per layer and decode step, so everything but the split count is cached
+    per call shape (host time per call is what bounds short contexts).
     """
     B, Hq, M, D = queries.shape
     Hkv = k_codes.shape[1]
     G = Hq // Hkv
     per = max(1, MMA_MAX_ROWS // G)
-    if per < M:  # more query rows than one score tile: split them
-        return mx.concatenate(
-            [
-                tq_decode_mma(
-                    queries[:, :, m0 : m0 + per],
-                    k_codes,
-                    k_norms,
-                    v_codes,
-                    v_norms,
-                    quant,
-                    scale=scale,
-                    position=position + m0,
-                    kv_start=kv_start,
-                    sinks=sinks,
-                )
-                for m0 in range(0, M, per)
-            ],
-            axis=2,
+    if per < M:
+        return _split_rows(
+            tq_decode_mma,
+            per,
+            queries,
+            k_codes,
+            k_norms,
+            v_codes,
+            v_norms,
+            quant,
+            scale=scale,
+            position=position,
+            kv_start=kv_start,
+            sinks=sinks,
+            _tiles_per_warp=_tiles_per_warp,
         )
     has_starts = isinstance(kv_start, mx.array)
-    has_sink = sinks is not None
-    plan = mma_plan(
-        quant,
-        G,
-        M,
-        D,
-        B * Hkv,
-        position + M,
-        scale=scale,
-        has_starts=has_starts,
-        has_sink=has_sink,
-        out_dtype=queries.dtype,
-        tiles_per_warp=_tiles_per_warp,
+    template, smem, R, RP, per_sm, tables = _mma_config(
+        quant, G, M, D, scale, has_starts, sinks is not None, queries.dtype
     )
+    tiles = -(-(position + M) // 16)
+    splits = -(-tiles // (MMA_WARPS * (_tiles_per_warp or _mma_tiles_per_warp(tiles, B * Hkv, per_sm))))
+    # Per-step values travel in 8 bytes (MLX CUDA's scalar pool).
     prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
-    starts = _starts_arg(kv_start, B)
-    sink_arr = _sinks_arg(sinks)
-    splits, R, RP = plan["splits"], plan["R"], plan["RP"]
-    out, _, _ = get_kernel("tq_decode_mma", "cuda", plan["smem"])(
+    out, _ = get_kernel("tq_decode_mma", "cuda", smem)(
         inputs=[
             queries,
             k_codes,
             k_norms,
             v_codes,
             v_norms,
-            *plan["tables"],  # K table, V table, Π_K, Π_V
-            sink_arr,
+            *tables,  # K table, V table, Π_K, Π_V
+            _sinks_arg(sinks),
             prm,
-            starts,
+            _starts_arg(kv_start, B),
         ],
-        template=plan["template"],
+        template=template,
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
         threadgroup=(32 * MMA_WARPS, 1, 1),
-        output_shapes=[(B, Hq, M, D), (B * Hkv, splits, R * D + 2 * RP), (B * Hkv,)],
-        output_dtypes=[queries.dtype, mx.float32, mx.uint32],
+        # partials of every split, then one ticket word per (b, KV head)
+        output_shapes=[(B, Hq, M, D), (B * Hkv * (splits * (R * D + 2 * RP) + 1),)],
+        output_dtypes=[queries.dtype, mx.float32],
         init_value=0,
     )
     return out
