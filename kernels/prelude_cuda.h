@@ -1,8 +1,8 @@
 // CUDA prelude of the shared kernel dialect (see turbospark_mlx/kernel_build.py).
-// Same names as prelude_metal.h. Passed to mx.fast.cuda_kernel as `header`.
-// Thread and group indices (TS_TID, TS_GROUP_X, ...) are not macros: the loader
-// substitutes them textually, because MLX's Metal side scans the body text for
-// attribute names to build the kernel signature.
+// Same names as prelude_metal.h. #included by the `header` given to mx.fast.cuda_kernel.
+// Thread and group indices (TS_TID, TS_GROUP_X, ...) are defined by the loader
+// (kernel_build.DIALECT): MLX's Metal side scans the body text for attribute names,
+// so there they are substituted textually; on CUDA they are macros before this file.
 #pragma once
 
 #define TS_SHARED __shared__

@@ -173,6 +173,10 @@ def test_dialect_tokens_substituted_textually():
         assert "thread_position_in_threadgroup" in metal_body
         _, cuda_body = render(op, "cuda")
         assert "threadIdx.x" in cuda_body and "thread_position" not in cuda_body
+        # What CUDA launches: the files #included, the tokens as macros before them.
+        cuda_header = kernel_build._cuda_parts(op)[0]
+        for token, text in kernel_build.DIALECT["cuda"].items():
+            assert f"#define {token} {text}\n" in cuda_header
 
 
 def test_metal_source_matches_mlx_signature_rules():

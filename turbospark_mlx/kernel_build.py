@@ -9,8 +9,10 @@ Metal kernel's signature by scanning the body text for attribute names
 break the Metal build.
 
 Kernel objects are built lazily (constructing a CUDA kernel without the CUDA
-backend raises) and cached here, per (op, backend), never on a cache instance:
-caches get deep-copied. MLX compiles one library per template instantiation.
+backend raises) and cached here, never on a cache instance: caches get deep-copied.
+MLX compiles one library per template instantiation. On CUDA the source handed to
+MLX #includes the kernel files by path and carries the template values as constants
+(`cuda_kernel`): MLX rebuilds and hashes that text on every call.
 
 `metal_source` reproduces the exact source MLX's `metal_kernel` compiles for a
 call (ml-explore/mlx `mlx/backend/common/metal_kernel.cpp`: `write_signature`,
@@ -19,13 +21,14 @@ call (ml-explore/mlx `mlx/backend/common/metal_kernel.cpp`: `write_signature`,
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 
-from ._kernels import kernel_source
+from ._kernels import kernel_source, kernels_dir
 
 GPU_BACKENDS = ("metal", "cuda")
 
@@ -152,24 +155,91 @@ def kernel_name(op: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def get_kernel(op: str, backend: str, shared_memory: int = 0):
-    """The MLX kernel object for (op, backend), built once per process (and per dynamic
-    shared memory size: MLX fixes it per kernel object)."""
-    spec = _check(backend, op)
-    header, body = render(op, backend)
-    if backend == "metal":
-        return mx.fast.metal_kernel(
-            name=kernel_name(op),
-            input_names=list(spec.inputs),
-            output_names=list(spec.outputs),
-            source=body,
-            header=header,
-        )
-    return mx.fast.cuda_kernel(
+def metal_kernel(op: str):
+    """The MLX Metal kernel object of `op`, built once per process; template values are
+    call arguments."""
+    spec = _check("metal", op)
+    header, body = render(op, "metal")
+    return mx.fast.metal_kernel(
         name=kernel_name(op),
         input_names=list(spec.inputs),
         output_names=list(spec.outputs),
         source=body,
+        header=header,
+    )
+
+
+def launch(op: str, backend: str, template, shared_memory: int = 0, **call) -> list[mx.array]:
+    """Call kernel `op` on `backend` with these template values; `call` is the rest of
+    MLX's kernel call (inputs, grid, threadgroup, output_shapes, output_dtypes, ...)."""
+    if backend == "cuda":
+        return cuda_kernel(op, tuple(template), shared_memory)(**call)
+    _check(backend, op)
+    return metal_kernel(op)(template=template, **call)
+
+
+# -- CUDA: a short source that #includes the kernel files ---------------------
+# MLX CUDA rebuilds a custom kernel's whole source string on every call and hashes it on
+# every eval (mlx/backend/cuda/custom_kernel.cpp), ~0.3 us per KB (benchmarks/
+# launch_overhead.py). NVRTC reads #include'd files from disk, so the source MLX carries
+# is a few hundred bytes whatever the kernel's size; template values are constants in
+# it (one kernel object per template), so a call converts no template list either.
+
+
+def _include_path(name: str) -> str:
+    kernel_source(name)  # a clear error if the file is missing
+    path = (kernels_dir() / name).resolve().as_posix()
+    if '"' in path or "\n" in path:
+        raise RuntimeError(f"kernel source path {path!r} cannot be #included (quote or newline in it)")
+    return path
+
+
+@lru_cache(maxsize=None)
+def _cuda_parts(op: str) -> tuple[str, str, str]:
+    """(header, body tail, kernel name) of `op` on CUDA: the dialect tokens as macros and
+    the prelude and headers by #include; the body by #include, after a reference to each
+    input shape it reads (MLX passes `<input>_shape` only if the source text names it).
+    The name carries a digest of the files, as MLX caches modules by name + source text."""
+    spec = _check("cuda", op)
+    files = ("prelude_cuda.h", "tq_common.h", *spec.headers, f"{op}.kernel")
+    macros = "".join(f"#define {k} {v}\n" for k, v in DIALECT["cuda"].items())
+    header = macros + "".join(f'#include "{_include_path(f)}"\n' for f in files[:-1])
+    text = kernel_source(files[-1])
+    refs = "".join(
+        f"(void){n}{suffix};\n" for n in spec.inputs for suffix in ("_shape", "_strides", "_ndim") if n + suffix in text
+    )
+    digest = hashlib.sha1("\0".join(kernel_source(f) for f in files).encode()).hexdigest()[:12]
+    return header, refs + f'#include "{_include_path(files[-1])}"\n', f"{kernel_name(op)}_{digest}"
+
+
+def _cuda_constants(template) -> str:
+    out = ""
+    for n, v in template:
+        if isinstance(v, bool):
+            out += f"constexpr bool {n} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            out += f"constexpr int {n} = {v};\n"
+        else:
+            out += f"using {n} = {_CUDA_TYPES[v]};\n"
+    return out
+
+
+def cuda_body(op: str, template) -> str:
+    """The `source` given to mx.fast.cuda_kernel for `op` at these template values."""
+    return _cuda_constants(template) + _cuda_parts(op)[1]
+
+
+@lru_cache(maxsize=None)
+def cuda_kernel(op: str, template: tuple, shared_memory: int = 0):
+    """The MLX CUDA kernel object of `op` at these template values (a tuple of
+    (name, value)), built once per process."""
+    spec = _check("cuda", op)
+    header, _, name = _cuda_parts(op)
+    return mx.fast.cuda_kernel(
+        name=name,
+        input_names=list(spec.inputs),
+        output_names=list(spec.outputs),
+        source=cuda_body(op, template),
         header=header,
         shared_memory=shared_memory,
     )
@@ -306,11 +376,11 @@ _CUDA_TYPES = {
 
 
 def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], template) -> str:
-    """The source `mx.fast.cuda_kernel` compiles for this call, less MLX's own includes
-    (mlx/backend/cuda/custom_kernel.cpp `build_kernel`): template values become
-    constants declared at the top of the body."""
+    """The source `mx.fast.cuda_kernel` compiles for this `launch`, less MLX's own includes
+    (mlx/backend/cuda/custom_kernel.cpp `build_kernel`); the kernel files are #included."""
     spec = _check("cuda", op)
-    header, body = render(op, "cuda")
+    header, _, name = _cuda_parts(op)
+    body = cuda_body(op, template)
     args = []
     for n, a in zip(spec.inputs, inputs):
         args.append(f"    const {_CUDA_TYPES[a.dtype]}* {n}")
@@ -319,22 +389,12 @@ def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], t
                 if n + suffix in body:
                     args.append(f"    const __grid_constant__ {t} {n}{suffix}")
     args += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, output_dtypes)]
-    consts = ""
-    for n, v in template:
-        if isinstance(v, bool):
-            consts += f"  constexpr bool {n} = {'true' if v else 'false'};\n"
-        elif isinstance(v, int):
-            consts += f"  constexpr int {n} = {v};\n"
-        else:
-            consts += f"  using {n} = {_CUDA_TYPES[v]};\n"
     return (
         header
         + "\nnamespace mlx::core::cu {\n\n"
-        + f"__global__ void custom_kernel_{kernel_name(op)}(\n"
+        + f"__global__ void custom_kernel_{name}(\n"
         + ",\n".join(args)
         + ") {\n"
-        + consts
-        + "\n"
         + body
         + "\n}\n\n} // namespace mlx::core::cu\n"
     )

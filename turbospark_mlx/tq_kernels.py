@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import backend as _backend
-from .kernel_build import get_kernel
+from .kernel_build import cuda_kernel, launch
 from .quant.packing import PLANES
 from .quant.turboquant import LayerQuant, SideQuant, quantize_ref
 
@@ -120,15 +120,11 @@ def tq_quantize(x: mx.array, side: SideQuant, backend: str | None = None) -> tup
     for n in lead:
         rows *= n
     rot_kind, rot = _rotation(side)
-    codes, norms = get_kernel("tq_quantize", backend)(
+    codes, norms = launch(
+        "tq_quantize",
+        backend,
+        [("T", x.dtype), ("D", d), ("BITS", side.bits), ("W", side.words), ("ROT", rot_kind)],
         inputs=[x.reshape(rows, d), rot, _padded(side, "boundaries")],
-        template=[
-            ("T", x.dtype),
-            ("D", d),
-            ("BITS", side.bits),
-            ("W", side.words),
-            ("ROT", rot_kind),
-        ],
         grid=(32 * rows, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(rows, side.words), (rows,)],
@@ -342,7 +338,10 @@ def tq_decode_attention(
     # would land in managed memory and migrate to the GPU every step.
     prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
     starts = _starts_arg(kv_start, B)
-    part_o, part_ms = get_kernel("tq_decode_attention", backend)(
+    part_o, part_ms = launch(
+        "tq_decode_attention",
+        backend,
+        plan["template"],
         inputs=[
             queries,
             k_codes,
@@ -355,7 +354,6 @@ def tq_decode_attention(
             prm,
             starts,
         ],
-        template=plan["template"],
         grid=(NT * tiles, B * Hkv, 1),
         threadgroup=(NT, 1, 1),
         output_shapes=[(B, Hkv, tiles, R, D), (B, Hkv, tiles, RP, 2)],
@@ -365,9 +363,10 @@ def tq_decode_attention(
     sink_arr = _sinks_arg(sinks)
     tsl = max(1, min(8, 1024 // D))
     vrot_kind, vrot = _rotation(quant.v)
-    (out,) = get_kernel("tq_decode_reduce", backend)(
-        inputs=[part_o, part_ms, sink_arr, vrot],
-        template=[
+    (out,) = launch(
+        "tq_decode_reduce",
+        backend,
+        [
             ("D", D),
             ("G", G),
             ("M", M),
@@ -378,6 +377,7 @@ def tq_decode_attention(
             ("VROT", vrot_kind),
             ("OT", queries.dtype),
         ],
+        inputs=[part_o, part_ms, sink_arr, vrot],
         grid=(D * tsl * B * Hq * M, 1, 1),
         threadgroup=(D * tsl, 1, 1),
         output_shapes=[(B, Hq, M, D)],
@@ -505,7 +505,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     # Resident blocks per SM, from the registers ptxas gives the variants (sm_90):
     # ~128 for 2/3/4-bit at D <= 128 with 8 rows, 160-220 for 8-bit K, 16 rows or D 256.
     per_sm = 4 if (D <= 128 and RP == 8 and quant.k.bits != 8) else 3 if D <= 128 else 2
-    template = [
+    template = (
         ("D", D),
         ("KB", quant.k.bits),
         ("VB", quant.v.bits),
@@ -521,7 +521,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("HAS_SINK", has_sink),
         ("VLUT_OFF", vlut_off),
         ("OT", out_dtype),
-    ]
+    )
     return template, smem, R, RP, per_sm, tables
 
 
@@ -624,7 +624,7 @@ def tq_decode_mma(
     splits = -(-tiles // (MMA_WARPS * (_tiles_per_warp or _mma_tiles_per_warp(tiles, B * Hkv, per_sm))))
     # Per-step values travel in 8 bytes (MLX CUDA's scalar pool).
     prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
-    out, _ = get_kernel("tq_decode_mma", "cuda", smem)(
+    out, _ = cuda_kernel("tq_decode_mma", template, smem)(
         inputs=[
             queries,
             k_codes,
@@ -636,7 +636,6 @@ def tq_decode_mma(
             prm,
             _starts_arg(kv_start, B),
         ],
-        template=template,
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
         threadgroup=(32 * MMA_WARPS, 1, 1),
         # partials of every split, then one ticket word per (b, KV head)
