@@ -120,3 +120,24 @@ TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, 
     odd = __byte_perm(a, b, 0x7632);
   }
 }
+
+// Asynchronous global -> shared copies (sm_80+): a warp streams its next tiles into a
+// ring in shared memory while it works on the current one, so the bytes in flight are
+// not bounded by registers (cp.async.cg: 16 bytes, L2 only; .ca: 4 bytes).
+TS_FUNC uint ts_smem_addr(const void* p) {
+  uint a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+  return a;
+}
+TS_FUNC void ts_cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ts_smem_addr(dst)), "l"(src));
+}
+TS_FUNC void ts_cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(ts_smem_addr(dst)), "l"(src));
+}
+TS_FUNC void ts_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+TS_FUNC void ts_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}

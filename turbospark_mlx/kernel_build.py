@@ -100,6 +100,7 @@ SPECS: dict[str, KernelSpec] = {
                 "sinks",
                 "prm",
                 "kv_starts",
+                "tickets",
             ),
             ("out", "part"),
             backends=("cuda",),

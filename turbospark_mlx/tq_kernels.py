@@ -406,6 +406,10 @@ MMA_BLOCKS_PER_SM = 2
 MMA_AUTO_HEAD_DIMS = (64, 128)
 MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
+# Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
+# out of registers; at 4 slots of 2 KB (tq4, D 128) 3 tiles per warp are on their way.
+MMA_RING_BYTES = 48 * 1024
+MMA_MAX_STAGES = 4
 
 _LOG2E = 1.4426950408889634
 
@@ -501,7 +505,13 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     shared_table = _same_codebook(quant)
     vlut_off = 0 if shared_table else 32 * KE
     lut_words = 32 * KE + (0 if shared_table else 32 * VE)
-    smem = 4 * max(lut_words + D * RP + RP, MMA_WARPS * (RP * D + 2 * RP), D * RP + 2 * RP)
+    # Each warp's ring of tiles (K rows, V rows, norms of 16 keys): as many slots as fit in
+    # MMA_RING_BYTES, 2 to 4 (2 is one tile in flight while one is worked on).
+    v_stride = quant.v.words + (4 if quant.v.words % 8 == 0 else 0)  # VRWP in the kernel
+    tile_words = 16 * (quant.k.words + v_stride) + 32
+    stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * MMA_WARPS * tile_words)))
+    ring_words = MMA_WARPS * stages * tile_words
+    smem = 4 * max(lut_words + D * RP + RP + ring_words, MMA_WARPS * (RP * D + 2 * RP), D * RP + 2 * RP)
     # Resident blocks per SM, from the registers ptxas gives the variants (sm_90):
     # ~128 for 2/3/4-bit at D <= 128 with 8 rows, 160-220 for 8-bit K, 16 rows or D 256.
     per_sm = 4 if (D <= 128 and RP == 8 and quant.k.bits != 8) else 3 if D <= 128 else 2
@@ -514,6 +524,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("R", R),
         ("RP", RP),
         ("NWARP", MMA_WARPS),
+        ("STAGES", stages),
         ("KROT", _rotation(quant.k)[0]),
         ("VROT", _rotation(quant.v)[0]),
         ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]),
@@ -561,6 +572,21 @@ def mma_plan(
         tiles_per_warp=tpw,
         tables=tables,
     )
+
+
+_ticket_buffers: dict = {}
+
+
+def _tickets(n: int) -> mx.array:
+    """The zeroed uint32 counters tq_decode_mma's blocks count themselves on (one per (b, KV
+    head)); the last block of each resets its own, so one buffer serves every launch on a
+    stream, in order. One buffer per stream, so launches that may overlap never share one."""
+    key = str(mx.default_stream(mx.default_device()))
+    buf = _ticket_buffers.get(key)
+    if buf is None or buf.size < n:
+        buf = _ticket_buffers[key] = mx.zeros((max(n, 1024),), mx.uint32)
+        mx.eval(buf)
+    return buf
 
 
 def _split_rows(fn, per: int, queries: mx.array, *args, position: int, **kwargs) -> mx.array:
@@ -635,12 +661,12 @@ def tq_decode_mma(
             _sinks_arg(sinks),
             prm,
             _starts_arg(kv_start, B),
+            _tickets(B * Hkv),
         ],
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
         threadgroup=(32 * MMA_WARPS, 1, 1),
-        # partials of every split, then one ticket word per (b, KV head)
-        output_shapes=[(B, Hq, M, D), (B * Hkv * (splits * (R * D + 2 * RP) + 1),)],
+        # No init_value: the kernel writes every word (a fill would be one more launch).
+        output_shapes=[(B, Hq, M, D), (B * Hkv * splits * (R * D + 2 * RP),)],
         output_dtypes=[queries.dtype, mx.float32],
-        init_value=0,
     )
     return out
