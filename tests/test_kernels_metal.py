@@ -282,7 +282,6 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
         ArgInfo(f32, 1, 8),
         ArgInfo(i32, 1, 2),
         ArgInfo(i32, 1, 8),
-        ArgInfo(u32, 1, 1024),
     ]
     return '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [qdt, f32], plan["template"])
 

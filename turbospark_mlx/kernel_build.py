@@ -100,7 +100,6 @@ SPECS: dict[str, KernelSpec] = {
                 "sinks",
                 "prm",
                 "kv_starts",
-                "tickets",
             ),
             ("out", "part"),
             backends=("cuda",),

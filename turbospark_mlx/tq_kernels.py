@@ -574,21 +574,6 @@ def mma_plan(
     )
 
 
-_ticket_buffers: dict = {}
-
-
-def _tickets(n: int) -> mx.array:
-    """The zeroed uint32 counters tq_decode_mma's blocks count themselves on (one per (b, KV
-    head)); the last block of each resets its own, so one buffer serves every launch on a
-    stream, in order. One buffer per stream, so launches that may overlap never share one."""
-    key = str(mx.default_stream(mx.default_device()))
-    buf = _ticket_buffers.get(key)
-    if buf is None or buf.size < n:
-        buf = _ticket_buffers[key] = mx.zeros((max(n, 1024),), mx.uint32)
-        mx.eval(buf)
-    return buf
-
-
 def _split_rows(fn, per: int, queries: mx.array, *args, position: int, **kwargs) -> mx.array:
     """`fn` over query rows [m0, m0 + per) (at positions position + m0), concatenated: for
     calls with more rows than one launch takes."""
@@ -661,12 +646,12 @@ def tq_decode_mma(
             _sinks_arg(sinks),
             prm,
             _starts_arg(kv_start, B),
-            _tickets(B * Hkv),
         ],
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
         threadgroup=(32 * MMA_WARPS, 1, 1),
-        # No init_value: the kernel writes every word (a fill would be one more launch).
-        output_shapes=[(B, Hq, M, D), (B * Hkv * splits * (R * D + 2 * RP),)],
+        # partials of every split, then one ticket word per (b, KV head)
+        output_shapes=[(B, Hq, M, D), (B * Hkv * (splits * (R * D + 2 * RP) + 1),)],
         output_dtypes=[queries.dtype, mx.float32],
+        init_value=0,
     )
     return out
