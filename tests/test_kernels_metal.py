@@ -93,7 +93,8 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                                 ArgInfo(f32, 1, max(8, 2**kb)),
                                 ArgInfo(f32, 1, max(8, 2**vb)),
                                 _rot_info(q.k)[1],
-                                ArgInfo(i32, 1, 2),
+                                ArgInfo(mx.uint8, 1, 5000),
+                                ArgInfo(mx.uint8, 1, 1),
                                 ArgInfo(i32, 1, 8),
                             ]
                             out["tq_decode_attention"].append((ins, [f32, f32], plan["template"]))
@@ -280,7 +281,8 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
         ArgInfo(f32, 3, 8 * 4096),
         *[ArgInfo(a.dtype, a.ndim, a.size) for a in plan["tables"]],
         ArgInfo(f32, 1, 8),
-        ArgInfo(i32, 1, 2),
+        ArgInfo(mx.uint8, 1, 5000),
+        ArgInfo(mx.uint8, 1, 1),
         ArgInfo(i32, 1, 8),
     ]
     return '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [qdt, f32], plan["template"])

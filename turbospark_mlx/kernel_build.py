@@ -78,7 +78,8 @@ SPECS: dict[str, KernelSpec] = {
                 "k_cent",
                 "v_cent",
                 "k_rot",
-                "prm",
+                "qpos",
+                "kv0",
                 "kv_starts",
             ),
             ("part_o", "part_ms"),
@@ -98,7 +99,8 @@ SPECS: dict[str, KernelSpec] = {
                 "k_rot",
                 "v_rot",
                 "sinks",
-                "prm",
+                "qpos",
+                "kv0",
                 "kv_starts",
             ),
             ("out", "part"),
@@ -367,6 +369,7 @@ def metal_source(
 
 _CUDA_TYPES = {
     mx.bool_: "bool",
+    mx.uint8: "uint8_t",
     mx.uint32: "uint32_t",
     mx.int32: "int32_t",
     mx.float16: "__half",

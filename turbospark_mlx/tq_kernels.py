@@ -77,6 +77,21 @@ def _bits_reason(side: SideQuant, what: str) -> str | None:
     return None
 
 
+_LENGTHS = [mx.zeros((1 << 16,), mx.uint8)]
+
+
+def _length_arg(n: int) -> mx.array:
+    """An array of n + 1 bytes, a prefix view of one buffer: how a per-step integer (the
+    query position, kv_start) reaches a kernel, which reads it from `<input>_shape`, a
+    launch parameter. A host-made mx.array lands in MLX CUDA's managed memory, and the
+    kernel's first read of it each step waited ~15 us on a page migration (ncu, H200); the
+    buffer's bytes are never read, so no copy is made and nothing moves."""
+    buf = _LENGTHS[0]
+    if buf.size <= n:
+        buf = _LENGTHS[0] = mx.zeros((max(n + 1, 2 * buf.size),), mx.uint8)
+    return buf[: n + 1]
+
+
 def _starts_arg(kv_start: int | mx.array, batch: int) -> mx.array:
     """Per-sequence kv_start as a >= 8-element int32 array (unused zeros for an int start)."""
     if not isinstance(kv_start, mx.array):
@@ -334,9 +349,6 @@ def tq_decode_attention(
         skip_v=_skip_v,
     )
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
-    # Per-step values travel in 8 bytes (MLX CUDA's scalar pool); larger host arrays
-    # would land in managed memory and migrate to the GPU every step.
-    prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
     starts = _starts_arg(kv_start, B)
     part_o, part_ms = launch(
         "tq_decode_attention",
@@ -351,7 +363,8 @@ def tq_decode_attention(
             _padded(quant.k, "centroids"),
             _padded(quant.v, "centroids"),
             _rotation(quant.k)[1],
-            prm,
+            _length_arg(position),
+            _length_arg(0 if has_starts else int(kv_start)),
             starts,
         ],
         grid=(NT * tiles, B * Hkv, 1),
@@ -393,7 +406,9 @@ MMA_HEAD_DIMS = (64, 128, 256)
 MMA_BITS = (2, 3, 4, 8)
 MMA_MAX_ROWS = 16  # query rows (G * M) of one KV head per call: one m16 score tile
 MMA_WARPS = 4
-MMA_MIN_TILES = 4  # 16-key tiles per warp, at least: the tables cost each block a fill
+# 16-key tiles per warp, at least: each block pays a table fill and a partial to merge
+# (H200, tq4 at 4k: 8 tiles per warp 37.6 us, 4 tiles 40.5 us).
+MMA_MIN_TILES = 8
 MMA_SMS = 132  # an H200's SMs
 # Blocks per SM the split count aims at: on the H200 at 128k, 2 (32 splits per KV head)
 # beat one full wave of 4 (166 vs 188 us for tq4): fewer partials to merge, fewer table fills.
@@ -633,8 +648,6 @@ def tq_decode_mma(
     )
     tiles = -(-(position + M) // 16)
     splits = -(-tiles // (MMA_WARPS * (_tiles_per_warp or _mma_tiles_per_warp(tiles, B * Hkv, per_sm))))
-    # Per-step values travel in 8 bytes (MLX CUDA's scalar pool).
-    prm = mx.array([position, 0 if has_starts else int(kv_start)], dtype=mx.int32)
     out, _ = cuda_kernel("tq_decode_mma", template, smem)(
         inputs=[
             queries,
@@ -644,7 +657,8 @@ def tq_decode_mma(
             v_norms,
             *tables,  # K table, V table, Π_K, Π_V
             _sinks_arg(sinks),
-            prm,
+            _length_arg(position),
+            _length_arg(0 if has_starts else int(kv_start)),
             _starts_arg(kv_start, B),
         ],
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
