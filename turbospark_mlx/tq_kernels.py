@@ -406,8 +406,9 @@ MMA_HEAD_DIMS = (64, 128, 256)
 MMA_BITS = (2, 3, 4, 8)
 MMA_MAX_ROWS = 16  # query rows (G * M) of one KV head per call: one m16 score tile
 MMA_WARPS = 4
-# 16-key tiles per warp, at least: each block pays a table fill and a partial to merge
-# (H200, tq4 at 4k: 8 tiles per warp 37.6 us, 4 tiles 40.5 us).
+# 16-key tiles per warp, at least: each block pays a table fill and a partial to merge.
+# On the H200 at 4k, 4 and 8 measured within run-to-run noise (36.9-57.6 us); 8 halves
+# the partials the last block reads.
 MMA_MIN_TILES = 8
 MMA_SMS = 132  # an H200's SMs
 # Blocks per SM the split count aims at: on the H200 at 128k, 2 (32 splits per KV head)
