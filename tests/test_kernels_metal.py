@@ -21,9 +21,9 @@ import mlx.core as mx
 import pytest
 
 from turbospark_mlx import _kernels, kernel_build
-from turbospark_mlx.kernel_build import ArgInfo, cuda_source, metal_source, render
+from turbospark_mlx.kernel_build import ArgInfo, cuda_body, cuda_source, metal_source, render
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
-from turbospark_mlx.tq_kernels import _rotation, decode_plan, mma_plan
+from turbospark_mlx.tq_kernels import _length_arg, _rotation, decode_plan, mma_plan
 
 SHIM = Path(__file__).resolve().parent / "metal_shim"
 CUDA_SHIM = Path(__file__).resolve().parent / "cuda_shim" / "cuda_shim.h"
@@ -308,3 +308,33 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
     for sample, r in zip(MMA_SAMPLE, results):
         assert r.returncode == 0, (sample, r.stderr[-4000:])
     assert "0 bytes spill stores" in results[0].stderr, results[0].stderr[-2000:]
+
+
+def test_per_step_integers_travel_as_array_lengths():
+    """Position and kv_start reach the decode kernels as `<input>_shape[0] - 1` of a prefix
+    view (a launch parameter; no host-made array in MLX CUDA's managed memory): the view's
+    length carries the value, the kernels' bodies read it, and one step's layers share it."""
+    for n in (0, 7, 4095, 300_000):  # the last one outgrows the initial buffer
+        a = _length_arg(n)
+        assert a.shape == (n + 1,) and a.dtype == mx.uint8
+        assert _length_arg(n) is a
+    for op in ("tq_decode_attention", "tq_decode_mma"):
+        variant = _variants()[op][0] if op == "tq_decode_attention" else None
+        template = (
+            variant[2]
+            if variant
+            else mma_plan(
+                _quant(4, 4, 128),
+                4,
+                1,
+                128,
+                8,
+                5000,
+                scale=128**-0.5,
+                has_starts=False,
+                has_sink=False,
+                out_dtype=mx.float16,
+            )["template"]
+        )
+        body = cuda_body(op, template)
+        assert "(void)qpos_shape;" in body and "(void)kv0_shape;" in body

@@ -208,7 +208,10 @@ def _cuda_parts(op: str) -> tuple[str, str, str]:
     header = macros + "".join(f'#include "{_include_path(f)}"\n' for f in files[:-1])
     text = kernel_source(files[-1])
     refs = "".join(
-        f"(void){n}{suffix};\n" for n in spec.inputs for suffix in ("_shape", "_strides", "_ndim") if n + suffix in text
+        f"(void){n}{suffix};\n"
+        for n in spec.inputs
+        for suffix in ("_shape", "_strides", "_ndim")
+        if n + suffix in text
     )
     digest = hashlib.sha1("\0".join(kernel_source(f) for f in files).encode()).hexdigest()[:12]
     return header, refs + f'#include "{_include_path(files[-1])}"\n', f"{kernel_name(op)}_{digest}"
