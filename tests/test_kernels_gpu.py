@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark_mlx import KvCacheManager, LayerSpec, attention_any, commit_kv, kv_write_target
+from turbospark_mlx import KvCacheManager, LayerSpec, attention_any, commit_kv, kv_write_target, tq_kernels
 from turbospark_mlx.attention import attention_mask, tq_attention_ref
 from turbospark_mlx.backend import auto_backend, use_backend
 from turbospark_mlx.quant.packing import unpack_indices
@@ -167,6 +167,37 @@ def test_mma_decode_kernel_matches_ref(case):
     print(f"rel L2 {err:.2e}")
     assert err < 5e-3
     assert mx.array_equal(out, again).item()
+
+
+def test_mma_calls_without_dependency_in_one_eval(monkeypatch):
+    """450 tq_decode_mma calls without a data dependency in one eval (MLX's CUDA graphs run
+    such calls concurrently, up to 100 per graph on sm_90) over a ticket ring of 200 calls,
+    so its regions are reused twice: every output equals the same call evaluated alone, and
+    the ring is back at zero."""
+    if BACKEND != "cuda":
+        pytest.skip("the tensor-core decode kernel runs on CUDA only")
+    monkeypatch.setattr(tq_kernels, "MMA_TICKET_CALLS", 200)
+    monkeypatch.setattr(tq_kernels, "_TICKETS", {})
+    quant = _quant(4, 4, 128)
+    kc, kn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.k)
+    vc, vn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.v)
+    qs = [mx.random.normal((1, 32, 1, 128)) for _ in range(450)]
+    mx.eval(kc, kn, vc, vn, *qs)
+
+    def call(q):
+        return tq_decode_attention(
+            q, kc, kn, vc, vn, quant, scale=0.09, position=2999, backend=BACKEND, variant="mma"
+        )
+
+    outs = [call(q) for q in qs]
+    mx.eval(outs)
+    ring = tq_kernels._TICKETS[8][0]
+    assert ring.size == 200 * 8
+    for q, out in zip(qs, outs):
+        alone = call(q)
+        mx.eval(alone)
+        assert mx.array_equal(out, alone).item()
+    assert mx.max(ring).item() == 0
 
 
 def test_mma_variant_refuses_what_it_cannot_serve():

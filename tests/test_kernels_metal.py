@@ -23,6 +23,7 @@ import pytest
 from turbospark_mlx import _kernels, kernel_build
 from turbospark_mlx.kernel_build import ArgInfo, cuda_body, cuda_source, metal_source, render
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
+from turbospark_mlx import tq_kernels
 from turbospark_mlx.tq_kernels import _length_arg, _rotation, decode_plan, mma_plan
 
 SHIM = Path(__file__).resolve().parent / "metal_shim"
@@ -284,6 +285,7 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
         ArgInfo(mx.uint8, 1, 5000),
         ArgInfo(mx.uint8, 1, 1),
         ArgInfo(i32, 1, 8),
+        ArgInfo(u32, 1, 8),  # tickets
     ]
     return '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [qdt, f32], plan["template"])
 
@@ -308,6 +310,28 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
     for sample, r in zip(MMA_SAMPLE, results):
         assert r.returncode == 0, (sample, r.stderr[-4000:])
     assert "0 bytes spill stores" in results[0].stderr, results[0].stderr[-2000:]
+
+
+def test_ticket_regions_are_disjoint_until_the_ring_comes_around(monkeypatch):
+    """tq_decode_mma's tickets: each call gets n zeroed words of a ring; calls fewer than
+    MMA_TICKET_CALLS apart get disjoint regions (so launches that can run at once never
+    share a counter), and the regions come around in order."""
+    monkeypatch.setattr(tq_kernels, "MMA_TICKET_CALLS", 5)
+    monkeypatch.setattr(tq_kernels, "_TICKETS", {})
+    views = [tq_kernels._ticket_arg(8) for _ in range(12)]
+    ring = tq_kernels._TICKETS[8][0]
+    assert ring.size == 40 and ring.dtype == mx.uint32 and not mx.any(ring).item()
+    for i, v in enumerate(views):
+        assert v.shape == (8,) and v.dtype == mx.uint32
+        assert views[i % 5] is v  # region i % 5 of the ring, one view per region
+    marked = [mx.array_equal(ring[8 * r : 8 * r + 8], views[r]).item() for r in range(5)]
+    assert all(marked)
+    # words of region r are r*8 .. r*8+7: distinct regions for any 5 consecutive calls
+    starts = [8 * (i % 5) for i in range(12)]
+    for i in range(12):
+        assert len({starts[j] for j in range(i, min(i + 5, 12))}) == min(5, 12 - i)
+    wide = tq_kernels._ticket_arg(16)
+    assert tq_kernels._TICKETS[16][0].size == 80 and wide.shape == (16,)
 
 
 def test_per_step_integers_travel_as_array_lengths():

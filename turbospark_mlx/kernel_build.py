@@ -102,6 +102,7 @@ SPECS: dict[str, KernelSpec] = {
                 "qpos",
                 "kv0",
                 "kv_starts",
+                "tickets",
             ),
             ("out", "part"),
             backends=("cuda",),

@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import weakref
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -110,6 +112,31 @@ def _step_args(position: int, kv_start: int | mx.array, batch: int) -> list[mx.a
     if batch < 8:
         starts = mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)])
     return [_length_arg(position), _length_arg(0), starts]
+
+
+# Tickets of tq_decode_mma, one uint32 per (b, KV head) and call: consecutive regions of
+# a ring in device memory, handed out in call order; each launch's last blocks leave
+# their words at zero. MLX runs one stream's CUDA graphs in order and puts at most
+# MLX_MAX_OPS_PER_BUFFER ops (100 on sm_90) in one, so only launches that close in call
+# order can run at once; a region comes back after MMA_TICKET_CALLS calls.
+MMA_TICKET_CALLS = max(4096, 4 * int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0") or 0))
+_TICKETS: dict[int, list] = {}  # n words per call -> [ring, its region views, next region]
+
+
+def _ticket_arg(n: int) -> mx.array:
+    """n zeroed ticket words that no launch still in flight holds: a view of a ring of
+    MMA_TICKET_CALLS regions, kept per region (a slice costs more host time than a call's
+    other inputs together)."""
+    state = _TICKETS.get(n)
+    if state is None or len(state[1]) != MMA_TICKET_CALLS:
+        ring = _resident(mx.zeros((MMA_TICKET_CALLS * n,), mx.uint32))
+        state = _TICKETS[n] = [ring, [None] * MMA_TICKET_CALLS, 0]
+    ring, views, i = state
+    state[2] = (i + 1) % len(views)
+    view = views[i]
+    if view is None:
+        view = views[i] = ring[i * n : (i + 1) * n]
+    return view
 
 
 def _sinks_arg(sinks: mx.array | None) -> mx.array:
@@ -414,14 +441,22 @@ def tq_decode_attention(
 MMA_HEAD_DIMS = (64, 128, 256)
 MMA_BITS = (2, 3, 4, 8)
 MMA_MAX_ROWS = 16  # query rows (G * M) of one KV head per call: one m16 score tile
-MMA_WARPS = 4
+# Warps per block. 8 (one table fill serves twice the tiles, 4 warps per scheduler at 2
+# blocks per SM) measured faster than 4 on the H200 (session 6, tq4, chained calls incl.
+# host time: 105 vs 113 us at 128k, 59 vs 65 at 32k; kernel alone in ncu 75 vs 84 at 128k).
+MMA_WARPS = 8
 # 16-key tiles per warp, at least: each block pays a table fill and a partial to merge.
-# On the H200 at 4k, 4 and 8 measured within run-to-run noise (36.9-57.6 us); 8 halves
-# the partials the last block reads.
-MMA_MIN_TILES = 8
+# On the H200 at 4k (8 warps), 2 measured 36.6 us, 4 37.1 and 8 41.8 (more blocks in flight).
+MMA_MIN_TILES = 2
 MMA_SMS = 132  # an H200's SMs
-# Blocks per SM the split count aims at: on the H200 at 128k, 2 (32 splits per KV head)
-# beat one full wave of 4 (166 vs 188 us for tq4): fewer partials to merge, fewer table fills.
+# Per-SM resources of sm_90 (H100 / H200): registers, shared memory, and what each block
+# reserves of it; they bound the resident blocks of a variant.
+MMA_SM_REGS = 65536
+MMA_SM_SHARED = 228 * 1024
+MMA_BLOCK_SHARED_RESERVED = 1024
+# Blocks per SM the split count aims at, at most: on the H200 at 128k with 4 warps per
+# block, 2 (32 splits per KV head) beat one full wave of 4 (166 vs 188 us for tq4; fewer
+# partials to merge, fewer table fills); 8-warp blocks fit 2 per SM by registers anyway.
 MMA_BLOCKS_PER_SM = 2
 # What the automatic choice sends to the tensor-core kernel, from the H200 measurements
 # (benchmarks/results/decode_attention_mma_sweep.md, session 3): at D 128 it is as fast as
@@ -432,7 +467,8 @@ MMA_AUTO_HEAD_DIMS = (64, 128)
 MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
-# out of registers; at 4 slots of 2 KB (tq4, D 128) 3 tiles per warp are on their way.
+# out of registers. With 8 warps, 48 KB is 2 slots of 2.4 KB per warp at tq4, D 128 (one
+# tile in flight while one is worked on); 3 or 4 slots measured the same on the H200.
 MMA_RING_BYTES = 48 * 1024
 MMA_MAX_STAGES = 4
 
@@ -486,6 +522,19 @@ def tq_mma_unsupported(quant: LayerQuant, group: int, rows: int, head_dim: int) 
     return None
 
 
+class MmaConfig(NamedTuple):
+    """What one call shape of tq_decode_mma needs besides the split count."""
+
+    template: tuple
+    smem: int  # dynamic shared memory, bytes
+    R: int  # query rows of one KV head
+    RP: int  # R rounded up to 8
+    nwarp: int
+    per_sm: int  # resident blocks per SM (registers, shared memory)
+    tables: list  # K table, V table, Π_K, Π_V
+    kernel: list  # [the MLX kernel object], filled on the first launch (needs the CUDA backend)
+
+
 def _mma_config(
     quant: LayerQuant,
     group: int,
@@ -495,11 +544,9 @@ def _mma_config(
     has_starts: bool,
     has_sink: bool,
     out_dtype: mx.Dtype,
-) -> tuple[list, int, int, int, int]:
-    """(template, shared memory bytes, R, RP, resident blocks per SM, [K table, V table,
-    Π_K, Π_V]) of a call shape.
-    Cached beside the K tables: a decode step only adds the split count (the kernel
-    derives keys per warp from it)."""
+) -> MmaConfig:
+    """The MmaConfig of a call shape, cached beside the K tables: a decode step only adds
+    the split count (the kernel derives keys per warp from it)."""
     cache = _tables.get(quant.k) or _tables.setdefault(quant.k, {})
     key = (
         "mma",
@@ -521,11 +568,20 @@ def _mma_config(
     return cfg
 
 
+def _mma_regs(quant: LayerQuant, head_dim: int, RP: int) -> int:
+    """Registers per thread ptxas gives a variant (sm_90, tests' nvcc compile): ~128 for
+    2/3/4-bit K at D <= 128 with 8 rows, up to ~168 with 8-bit K or 16 rows, more at D 256."""
+    if head_dim <= 128:
+        return 128 if (RP == 8 and quant.k.bits != 8) else 168
+    return 255
+
+
 def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype):
     tables = [_mma_lut(quant.k), _mma_lut(quant.v), _rotation(quant.k)[1], _rotation(quant.v)[1]]
     R = group * rows
     RP = 8 if R <= 8 else 16
     D = head_dim
+    nwarp = MMA_WARPS
     KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
     shared_table = _same_codebook(quant)
     vlut_off = 0 if shared_table else 32 * KE
@@ -534,12 +590,16 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     # MMA_RING_BYTES, 2 to 4 (2 is one tile in flight while one is worked on).
     v_stride = quant.v.words + (4 if quant.v.words % 8 == 0 else 0)  # VRWP in the kernel
     tile_words = 16 * (quant.k.words + v_stride) + 32
-    stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * MMA_WARPS * tile_words)))
-    ring_words = MMA_WARPS * stages * tile_words
-    smem = 4 * max(lut_words + D * RP + RP + ring_words, MMA_WARPS * (RP * D + 2 * RP), D * RP + 2 * RP)
-    # Resident blocks per SM, from the registers ptxas gives the variants (sm_90):
-    # ~128 for 2/3/4-bit at D <= 128 with 8 rows, 160-220 for 8-bit K, 16 rows or D 256.
-    per_sm = 4 if (D <= 128 and RP == 8 and quant.k.bits != 8) else 3 if D <= 128 else 2
+    stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * nwarp * tile_words)))
+    ring_words = nwarp * stages * tile_words
+    smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * D + 2 * RP), D * RP + 2 * RP)
+    per_sm = max(
+        1,
+        min(
+            MMA_SM_REGS // (_mma_regs(quant, D, RP) * 32 * nwarp),
+            MMA_SM_SHARED // (smem + MMA_BLOCK_SHARED_RESERVED),
+        ),
+    )
     template = (
         ("D", D),
         ("KB", quant.k.bits),
@@ -548,7 +608,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("M", rows),
         ("R", R),
         ("RP", RP),
-        ("NWARP", MMA_WARPS),
+        ("NWARP", nwarp),
         ("STAGES", stages),
         ("KROT", _rotation(quant.k)[0]),
         ("VROT", _rotation(quant.v)[0]),
@@ -558,14 +618,21 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("VLUT_OFF", vlut_off),
         ("OT", out_dtype),
     )
-    return template, smem, R, RP, per_sm, tables
+    return MmaConfig(template, smem, R, RP, nwarp, per_sm, tables, [])
 
 
-def _mma_tiles_per_warp(tiles: int, n_seq_heads: int, per_sm: int) -> int:
-    """16-key tiles per warp: one wave of resident blocks over all (b, KV head), at least
-    MMA_MIN_TILES (the tables cost each block a fill), at most MMA_MAX_SPLITS splits."""
-    per_head = max(1, MMA_SMS * min(per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
-    return max(MMA_MIN_TILES, -(-tiles // (MMA_WARPS * per_head)), -(-tiles // (MMA_WARPS * MMA_MAX_SPLITS)))
+def _mma_splits(cfg: MmaConfig, tiles: int, n_seq_heads: int, tiles_per_warp: int | None = None) -> int:
+    """Splits per (b, KV head): one wave of resident blocks (at most MMA_BLOCKS_PER_SM per SM)
+    over all (b, KV head), at least MMA_MIN_TILES 16-key tiles per warp (the tables cost each
+    block a fill), at most MMA_MAX_SPLITS splits."""
+    if tiles_per_warp is None:
+        per_head = max(1, MMA_SMS * min(cfg.per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
+        tiles_per_warp = max(
+            MMA_MIN_TILES,
+            -(-tiles // (cfg.nwarp * per_head)),
+            -(-tiles // (cfg.nwarp * MMA_MAX_SPLITS)),
+        )
+    return -(-tiles // (cfg.nwarp * tiles_per_warp))
 
 
 def mma_plan(
@@ -583,19 +650,18 @@ def mma_plan(
     tiles_per_warp: int | None = None,
 ) -> dict:
     """Template values, launch shape and shared memory of one tq_decode_mma call."""
-    template, smem, R, RP, per_sm, tables = _mma_config(
-        quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
-    )
+    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype)
     tiles = -(-end // 16)
-    tpw = tiles_per_warp or _mma_tiles_per_warp(tiles, n_seq_heads, per_sm)
+    splits = _mma_splits(cfg, tiles, n_seq_heads, tiles_per_warp)
     return dict(
-        template=template,
-        splits=-(-tiles // (MMA_WARPS * tpw)),
-        smem=smem,
-        R=R,
-        RP=RP,
-        tiles_per_warp=tpw,
-        tables=tables,
+        template=cfg.template,
+        splits=splits,
+        smem=cfg.smem,
+        R=cfg.R,
+        RP=cfg.RP,
+        nwarp=cfg.nwarp,
+        tiles_per_warp=-(-tiles // (cfg.nwarp * splits)),
+        tables=cfg.tables,
     )
 
 
@@ -653,27 +719,25 @@ def tq_decode_mma(
             _tiles_per_warp=_tiles_per_warp,
         )
     has_starts = isinstance(kv_start, mx.array)
-    template, smem, R, RP, per_sm, tables = _mma_config(
-        quant, G, M, D, scale, has_starts, sinks is not None, queries.dtype
-    )
-    tiles = -(-(position + M) // 16)
-    splits = -(-tiles // (MMA_WARPS * (_tiles_per_warp or _mma_tiles_per_warp(tiles, B * Hkv, per_sm))))
-    out, _ = cuda_kernel("tq_decode_mma", template, smem)(
+    cfg = _mma_config(quant, G, M, D, scale, has_starts, sinks is not None, queries.dtype)
+    splits = _mma_splits(cfg, -(-(position + M) // 16), B * Hkv, _tiles_per_warp)
+    if not cfg.kernel:
+        cfg.kernel.append(cuda_kernel("tq_decode_mma", cfg.template, cfg.smem))
+    out, _ = cfg.kernel[0](
         inputs=[
             queries,
             k_codes,
             k_norms,
             v_codes,
             v_norms,
-            *tables,  # K table, V table, Π_K, Π_V
+            *cfg.tables,  # K table, V table, Π_K, Π_V
             _sinks_arg(sinks),
             *_step_args(position, kv_start, B),
+            _ticket_arg(B * Hkv),
         ],
-        grid=(32 * MMA_WARPS * splits, B * Hkv, 1),
-        threadgroup=(32 * MMA_WARPS, 1, 1),
-        # partials of every split, then one ticket word per (b, KV head)
-        output_shapes=[(B, Hq, M, D), (B * Hkv * (splits * (R * D + 2 * RP) + 1),)],
+        grid=(32 * cfg.nwarp * splits, B * Hkv, 1),
+        threadgroup=(32 * cfg.nwarp, 1, 1),
+        output_shapes=[(B, Hq, M, D), (B * Hkv * splits * (cfg.R * D + 2 * cfg.RP),)],
         output_dtypes=[queries.dtype, mx.float32],
-        init_value=0,
     )
     return out
