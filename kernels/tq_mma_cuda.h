@@ -63,7 +63,14 @@ TS_FUNC void ts_load_plane(const uint* row, int c0, uint* out) {
 TS_FUNC uint ts_field128(uint w, int shift, uint mask) {
   return (shift >= 7 ? (w >> (shift - 7)) : (w << (7 - shift))) & (mask << 7);
 }
-TS_FUNC uint ts_lut_at(const uint* lut, uint off) { return *(const uint*)((const char*)lut + off); }
+// A table word at byte offset `off` from `lut`, a 32-bit shared-window address: so the
+// address is one LEA / IADD from the code bits (a generic pointer cost ptxas two IMADs).
+// Not volatile: the tables are written once, before the set-up's barriers.
+TS_FUNC uint ts_lut_at(uint lut, uint off) {
+  uint v;
+  asm("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(lut + off));
+  return v;
+}
 
 // Words of a code chunk (coordinates [c0, c0 + NC) of one vector of D coordinates at
 // BITS bits): plane 0 in lo, and for 3 bits the high plane in hi.
@@ -96,11 +103,11 @@ struct TsChunk {
 // (a pair of codes indexes it), one half in the low 16 bits for 8 bits.
 constexpr int ts_lut_entries(int bits) { return bits == 8 ? 256 : 1 << (2 * bits); }
 
-// half2 (coordinates c0 + 2p, c0 + 2p + 1) of one key from its chunk. `lut` points at
+// half2 (coordinates c0 + 2p, c0 + 2p + 1) of one key from its chunk. `lut` addresses
 // this lane's column of a table replicated once per lane (entry e at lut[32 e]), so
 // the 32 lanes of a warp always hit 32 different banks.
 template <int BITS, int D, int NC>
-TS_FUNC uint ts_key_pair(const TsChunk<BITS, D, NC>& ch, const uint* lut, int p) {
+TS_FUNC uint ts_key_pair(const TsChunk<BITS, D, NC>& ch, uint lut, int p) {
   if (BITS == 8) return __byte_perm(ts_lut_at(lut, ch.single(2 * p)), ts_lut_at(lut, ch.single(2 * p + 1)), 0x5410);
   return ts_lut_at(lut, ch.pair(p));
 }
@@ -108,7 +115,7 @@ TS_FUNC uint ts_key_pair(const TsChunk<BITS, D, NC>& ch, const uint* lut, int p)
 // For the weighted-V product, whose fragments pair two keys at one coordinate: from
 // keys x and y, the half2s (x[c], y[c]) and (x[c + 1], y[c + 1]) of pair p.
 template <int BITS, int D, int NC>
-TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, const uint* lut,
+TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, uint lut,
                              int p, uint& even, uint& odd) {
   if (BITS == 8) {
     even = __byte_perm(ts_lut_at(lut, x.single(2 * p)), ts_lut_at(lut, y.single(2 * p)), 0x5410);
