@@ -148,3 +148,49 @@ template <int N>
 TS_FUNC void ts_cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+// In-place unnormalized Walsh-Hadamard transform (Sylvester order) of one vector of 32*E
+// coordinates held by a warp, coordinate lane*E + e in v[e]: the stages within a lane in
+// registers, the others across lanes by shuffles (the stages commute), so no barrier.
+template <int E>
+TS_FUNC void ts_warp_fwht(float (&v)[E], int lane) {
+  TS_UNROLL for (int h = 1; h < E; h <<= 1) {
+    TS_UNROLL for (int e = 0; e < E; e++) {
+      if ((e & h) == 0) {
+        const float a = v[e];
+        const float b = v[e + h];
+        v[e] = a + b;
+        v[e + h] = a - b;
+      }
+    }
+  }
+  TS_UNROLL for (int m = 1; m < 32; m <<= 1) {
+    TS_UNROLL for (int e = 0; e < E; e++) {
+      const float p = __shfl_xor_sync(0xffffffffu, v[e], m);
+      v[e] = (lane & m) ? p - v[e] : v[e] + p;
+    }
+  }
+}
+
+// N consecutive floats from global memory through L2 only (another block wrote them in
+// this launch), as wide as N allows; src is aligned to the width.
+template <int N>
+TS_FUNC void ts_ldcg_floats(const float* src, float* out) {
+  if (N % 4 == 0) {
+    TS_UNROLL for (int i = 0; i < N / 4; i++) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src) + i);
+      out[4 * i] = v.x;
+      out[4 * i + 1] = v.y;
+      out[4 * i + 2] = v.z;
+      out[4 * i + 3] = v.w;
+    }
+  } else if (N % 2 == 0) {
+    TS_UNROLL for (int i = 0; i < N / 2; i++) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(src) + i);
+      out[2 * i] = v.x;
+      out[2 * i + 1] = v.y;
+    }
+  } else {
+    TS_UNROLL for (int i = 0; i < N; i++) out[i] = __ldcg(src + i);
+  }
+}

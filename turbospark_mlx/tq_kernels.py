@@ -592,7 +592,9 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     tile_words = 16 * (quant.k.words + v_stride) + 32
     stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * nwarp * tile_words)))
     ring_words = nwarp * stages * tile_words
-    smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * D + 2 * RP), D * RP + 2 * RP)
+    # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
+    # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory.
+    smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
     per_sm = max(
         1,
         min(
@@ -698,7 +700,7 @@ def tq_decode_mma(
     This runs once per layer and decode step, so everything but the split count is cached
     per call shape (host time per call is what bounds short contexts).
     """
-    B, Hq, M, D = queries.shape
+    B, Hq, M, _ = queries.shape
     Hkv = k_codes.shape[1]
     G = Hq // Hkv
     per = max(1, MMA_MAX_ROWS // G)
@@ -719,25 +721,80 @@ def tq_decode_mma(
             _tiles_per_warp=_tiles_per_warp,
         )
     has_starts = isinstance(kv_start, mx.array)
-    cfg = _mma_config(quant, G, M, D, scale, has_starts, sinks is not None, queries.dtype)
-    splits = _mma_splits(cfg, -(-(position + M) // 16), B * Hkv, _tiles_per_warp)
-    if not cfg.kernel:
-        cfg.kernel.append(cuda_kernel("tq_decode_mma", cfg.template, cfg.smem))
-    out, _ = cfg.kernel[0](
+    launch = _mma_launch(quant, queries, Hkv, scale, has_starts, sinks is not None)
+    tiles = (position + M + 15) // 16
+    shape = launch.by_tiles.get(tiles) if _tiles_per_warp is None else None
+    if shape is None:
+        shape = launch.shape(tiles, _tiles_per_warp)
+    grid, output_shapes = shape
+    if has_starts:
+        step = _step_args(position, kv_start, B)
+    else:
+        step = [_length_arg(position), _length_arg(int(kv_start)), _ZEROS8_I32]
+    out, _ = launch.kernel(
         inputs=[
             queries,
             k_codes,
             k_norms,
             v_codes,
             v_norms,
-            *cfg.tables,  # K table, V table, Π_K, Π_V
-            _sinks_arg(sinks),
-            *_step_args(position, kv_start, B),
-            _ticket_arg(B * Hkv),
+            *launch.tables,  # K table, V table, Π_K, Π_V
+            _sinks_arg(sinks) if sinks is not None else _ZEROS8,
+            *step,
+            _ticket_arg(launch.n_seq_heads),
         ],
-        grid=(32 * cfg.nwarp * splits, B * Hkv, 1),
-        threadgroup=(32 * cfg.nwarp, 1, 1),
-        output_shapes=[(B, Hq, M, D), (B * Hkv * splits * (cfg.R * D + 2 * cfg.RP),)],
-        output_dtypes=[queries.dtype, mx.float32],
+        grid=grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=output_shapes,
+        output_dtypes=launch.output_dtypes,
     )
     return out
+
+
+class _MmaLaunch:
+    """What a tq_decode_mma call shape (quant, query shape and dtype, KV heads, scale, starts,
+    sinks) needs at every step, and its launch shape per 16-key tile count: host time per
+    call is what bounds short contexts, and a decode step repeats one shape per layer."""
+
+    def __init__(self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink):
+        B, Hq, M, D = queries.shape
+        self.cfg = _mma_config(quant, Hq // Hkv, M, D, scale, has_starts, has_sink, queries.dtype)
+        self.tables = tuple(self.cfg.tables)
+        self.n_seq_heads = B * Hkv
+        self.out_shape = (B, Hq, M, D)
+        self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
+        self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
+        self.output_dtypes = [queries.dtype, mx.float32]
+        self.by_tiles: dict[int, tuple] = {}
+        self._kernel = None
+
+    @property
+    def kernel(self):
+        if self._kernel is None:  # built on first use: needs the CUDA backend
+            if not self.cfg.kernel:
+                self.cfg.kernel.append(cuda_kernel("tq_decode_mma", self.cfg.template, self.cfg.smem))
+            self._kernel = self.cfg.kernel[0]
+        return self._kernel
+
+    def shape(self, tiles: int, tiles_per_warp: int | None = None) -> tuple:
+        """(grid, output shapes) for this many tiles; kept unless tiles_per_warp is forced."""
+        splits = _mma_splits(self.cfg, tiles, self.n_seq_heads, tiles_per_warp)
+        shape = (
+            (32 * self.cfg.nwarp * splits, self.n_seq_heads, 1),
+            [self.out_shape, (self.n_seq_heads * splits * self.part_words,)],
+        )
+        if tiles_per_warp is None:
+            if len(self.by_tiles) >= 4096:  # contexts only grow: older counts are done with
+                self.by_tiles.clear()
+            self.by_tiles[tiles] = shape
+        return shape
+
+
+def _mma_launch(quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink) -> _MmaLaunch:
+    """The _MmaLaunch of a call shape, cached beside the K tables (dropped with the layer)."""
+    cache = _tables.get(quant.k) or _tables.setdefault(quant.k, {})
+    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink)
+    launch = cache.get(key)
+    if launch is None:
+        launch = cache[key] = _MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink)
+    return launch
