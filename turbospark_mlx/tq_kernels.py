@@ -458,12 +458,13 @@ MMA_BLOCK_SHARED_RESERVED = 1024
 # block, 2 (32 splits per KV head) beat one full wave of 4 (166 vs 188 us for tq4; fewer
 # partials to merge, fewer table fills); 8-warp blocks fit 2 per SM by registers anyway.
 MMA_BLOCKS_PER_SM = 2
-# What the automatic choice sends to the tensor-core kernel, from the H200 measurements
-# (benchmarks/results/decode_attention_mma_sweep.md, session 3): at D 128 it is as fast as
-# or faster than the dialect kernels from 4k keys on (4k: tq4 69.8 vs 70.0 us, tq3 63.4 vs
-# 76.7; 128k: tq4 128.5 vs 191.6), and slower at D 256 (tq4 201.4 vs 135.0 us at 128k: its
-# registers leave 2 blocks per SM). Below 4k and at D 256 the dialect kernels serve.
-MMA_AUTO_HEAD_DIMS = (64, 128)
+# What the automatic choice sends to the tensor-core kernel, from the H200 measurements: at
+# D 128 it is as fast as or faster than the dialect kernels from 4k keys on (session 3,
+# benchmarks/results/decode_attention_mma_sweep.md); since session 7 (one-barrier set-up) also
+# at D 256, where it had been slower: gemma-like shape (Hq 4, Hkv 1), chained calls, tq4
+# 44 / 53 / 58 us vs 76 / 77 / 96 at 4k / 32k / 128k, tq3 and k8v4 alike
+# (benchmarks/results/decode_attention_s7_run1.md). Below 4k keys the dialect kernels serve.
+MMA_AUTO_HEAD_DIMS = (64, 128, 256)
 MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
