@@ -1,0 +1,61 @@
+# Chained timings (20 calls per eval; build and eval us per call), kernel files vs SDPA, interleaved.
+import sys, time, statistics, json, os
+from pathlib import Path
+import mlx.core as mx
+sys.path.insert(0, str(Path(__file__).parent))
+import mk  # noqa: E402
+from mk import tk
+from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
+
+def st(fn, x0, n=20, reps=60):
+    mx.eval(fn(x0)); mx.synchronize()
+    b, r = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter(); x = x0
+        for _ in range(n): x = fn(x)
+        t1 = time.perf_counter(); mx.eval(x); mx.synchronize(); t2 = time.perf_counter()
+        b.append((t1 - t0) / n * 1e6); r.append((t2 - t1) / n * 1e6)
+    return statistics.median(b), statistics.median(r)
+
+files = sys.argv[1:]
+D, Hq, Hkv = 128, 32, 8
+res = []
+for preset, kbits, vbits in (("tq4", 4, 4), ("tq3", 3, 3)):
+  quant = LayerQuant(0, side_quant(kbits, D, "auto", 0, 0, "k"), side_quant(vbits, D, "auto", 0, 0, "v"))
+  for L in (64, 4096, 32768, 131072):
+    q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
+    kc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.k.words)).astype(mx.uint32)
+    vc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.v.words)).astype(mx.uint32)
+    kn = mx.random.uniform(0.5, 2.0, (1, Hkv, L)); vn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
+    k = mx.random.normal((1, Hkv, L, D)).astype(mx.float16); v = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
+    mx.eval(q0, kc, vc, kn, vn, k, v)
+    cfg = tk._mma_config(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
+    fns = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5),
+           "wrapper": lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1)}
+    for kf in files:
+        kf, _, ring = kf.partition("@")
+        saved = tk.MMA_RING_BYTES
+        if ring: tk.MMA_RING_BYTES = int(ring) * 1024
+        c = tk._mma_config_uncached(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
+        tk.MMA_RING_BYTES = saved
+        sp = tk._mma_splits(c, -(-L // 16), Hkv)
+        kern = mk.make(kf, c)
+        fns[Path(kf).stem + (f"@{ring}" if ring else "")] = (lambda kern, c, sp: lambda q: mk.call(kern, c, sp, q, kc, kn, vc, vn, L, Hkv)[0])(kern, c, sp)
+    splits = tk._mma_splits(cfg, -(-L // 16), Hkv)
+    outs = {n: f(q0) for n, f in fns.items()}
+    mx.eval(outs)
+    refo = outs["wrapper"].astype(mx.float32)
+    errs = {n: float(mx.abs(o.astype(mx.float32) - refo).max()) for n, o in outs.items() if n != "sdpa"}
+    acc = {n: [] for n in fns}
+    for rnd in range(3):
+        for n, f in fns.items():
+            acc[n].append(st(f, q0))
+    row = dict(preset=preset, L=L, splits=splits, errs=errs)
+    for n, v in acc.items():
+        row[n] = dict(build=round(statistics.median(x[0] for x in v), 1), eval=round(statistics.median(x[1] for x in v), 1),
+                      evals=[round(x[1], 1) for x in v])
+    for n in fns:
+        if n != "sdpa": row[n]["x_sdpa"] = round((row[n]["build"] + row[n]["eval"]) / (row["sdpa"]["build"] + row["sdpa"]["eval"]), 3)
+    row["stages"] = {n: None for n in fns}
+    print(json.dumps(row)); res.append(row)
+Path(os.environ.get("OUT", "/tmp"), "p12.json").write_text(json.dumps(res, indent=1))

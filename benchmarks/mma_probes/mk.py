@@ -1,0 +1,73 @@
+# Build tq_decode_mma from another kernel file (optionally with phase stamps), same inputs.
+import sys, tempfile, hashlib
+from pathlib import Path
+import mlx.core as mx
+sys.path.insert(0, str(Path.cwd()))
+import turbospark_mlx.tq_kernels as tk
+import turbospark_mlx.kernel_build as kb
+
+STAMP = ('#define STAMP(k) do { if (threadIdx.x == 0) { unsigned long long t_; '
+         'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); '
+         'size_t o_ = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 32; '
+         'stamps[o_ + (k)] = t_; stamps[o_ + 16 + (k)] = clock64(); } } while (0)\n')
+# (anchor text, stamp index, where): first match wins per index
+ANCHORS = [
+    ("const int start = ", 0, "after_line"),
+    ("__syncthreads();\n#pragma unroll 8", 1, "after_sync"),     # old: after q fill
+    ("ts_cp_wait<STAGES - 1>();  // this thread's table", 1, "before"),  # new: set-up loads issued, q' done
+    ("// Tables, one column per lane", 1, "before"),
+    ("// Rows go to fp16", 2, "before"),
+    ("// q' = Π_K q, one row per warp", 2, "before"),
+    ("// B fragments of Q'^T", 3, "before"),
+    ("  Tile cur;\n", 4, "loop"),
+    ("ts_cp_wait<0>();  // the merge", 5, "before"),
+    ("// The last block of this", 6, "before"),
+    ("if (!is_last) return;", 7, "before"),
+    ("// A thread's NO outputs", 8, "before"),
+    ("  // The splits' loads are independent", 8, "before"),
+    ("if (VROT == 0) ts_fwht<D, RP, NT>(ob, tid);", 9, "before"),
+    ("  OT* orow = out +", 9, "before"),
+]
+
+def stamped(src: str) -> str:
+    done = set()
+    for a, k, how in ANCHORS:
+        if k in done: continue
+        i = src.find(a)
+        if i < 0: continue
+        done.add(k)
+        if how == "after_line":
+            j = src.index("\n", i) + 1; src = src[:j] + f"STAMP({k});\n" + src[j:]
+        elif how == "after_sync":
+            j = i + len("__syncthreads();\n"); src = src[:j] + f"STAMP({k});\n" + src[j:]
+        elif how == "loop":
+            src = src[:i] + f"  if (kb == kbeg) STAMP({k});\n" + src[i:]
+        else:
+            src = src[:i] + f"STAMP({k});\n" + src[i:]
+    return STAMP + src + "\nSTAMP(10);\n"
+
+_tmp = Path(tempfile.mkdtemp())
+
+def make(kfile, cfg, stamps=False):
+    src = Path(kfile).read_text()
+    if stamps: src = stamped(src)
+    tag = hashlib.sha1(src.encode()).hexdigest()[:10]
+    f = _tmp / f"k_{tag}.kernel"; f.write_text(src)
+    header, tail, name = kb._cuda_parts("tq_decode_mma")
+    orig = (kb.kernels_dir() / "tq_decode_mma.kernel").resolve().as_posix()
+    body = kb.cuda_body("tq_decode_mma", cfg.template).replace(orig, f.as_posix())
+    spec = kb._check("cuda", "tq_decode_mma")
+    return mx.fast.cuda_kernel(name=f"{name}_{tag}", input_names=list(spec.inputs),
+                               output_names=list(spec.outputs) + (["stamps"] if stamps else []),
+                               source=body, header=header, shared_memory=cfg.smem)
+
+def call(kern, cfg, splits, q, kc, kn, vc, vn, L, Hkv, stamps=False):
+    B, Hq, M, D = q.shape
+    shapes = [(B, Hq, M, D), (B * Hkv * splits * (cfg.R * D + 2 * cfg.RP),)]
+    dts = [q.dtype, mx.float32]
+    if stamps:
+        shapes.append((B * Hkv * splits * 32,)); dts.append(mx.uint64)
+    return kern(inputs=[q, kc, kn, vc, vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B),
+                        tk._ticket_arg(B * Hkv)],
+                grid=(32 * cfg.nwarp * splits, B * Hkv, 1), threadgroup=(32 * cfg.nwarp, 1, 1),
+                output_shapes=shapes, output_dtypes=dts, **({'init_value': 0} if stamps else {}))
