@@ -362,3 +362,52 @@ def test_per_step_integers_travel_as_array_lengths():
         )
         body = cuda_body(op, template)
         assert "(void)qpos_shape;" in body and "(void)kv0_shape;" in body
+
+
+def test_mma_launch_cache_matches_the_plan(monkeypatch):
+    """tq_decode_mma caches each call shape's launch (_MmaLaunch): per step it must still
+    launch what mma_plan says for that context (grid from the split count, partials sized
+    for it), with the step's position and kv_start as lengths, and a ticket region per call.
+    The kernel object is replaced by a recorder (no GPU here)."""
+    quant = _quant(4, 4, 128)
+    q = mx.zeros((1, 32, 1, 128), mx.float16)
+    kc = mx.zeros((1, 8, 70_000, quant.k.words), mx.uint32)
+    kn = mx.zeros((1, 8, 70_000), mx.float32)
+    launch = tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False)
+    calls = []
+
+    def record(**kw):
+        calls.append(kw)
+        return kw["inputs"][0], None
+
+    monkeypatch.setattr(launch, "_kernel", record)
+    for pos, start in ((4095, 0), (32767, 7), (65_000, 0), (4095, 0)):
+        out = tq_kernels.tq_decode_mma(
+            q, kc, kn, kc, kn, quant, scale=128**-0.5, position=pos, kv_start=start
+        )
+        assert out is q
+        plan = mma_plan(
+            quant,
+            4,
+            1,
+            128,
+            8,
+            pos + 1,
+            scale=128**-0.5,
+            has_starts=False,
+            has_sink=False,
+            out_dtype=mx.float16,
+        )
+        kw = calls[-1]
+        assert kw["grid"] == (32 * plan["nwarp"] * plan["splits"], 8, 1)
+        assert kw["threadgroup"] == (32 * plan["nwarp"], 1, 1)
+        assert kw["output_shapes"] == [
+            (1, 32, 1, 128),
+            (8 * plan["splits"] * (plan["R"] * 128 + 2 * plan["RP"]),),
+        ]
+        qpos, kv0 = kw["inputs"][10], kw["inputs"][11]
+        assert qpos.shape == (pos + 1,) and kv0.shape == (start + 1,)
+        assert kw["inputs"][13].shape == (8,)  # tickets: one word per (b, KV head)
+    assert calls[0]["inputs"][13] is not calls[1]["inputs"][13]  # consecutive calls, distinct regions
+    assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False) is launch
+    assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, True, False) is not launch
