@@ -728,10 +728,6 @@ def tq_decode_mma(
     if shape is None:
         shape = launch.shape(tiles, _tiles_per_warp)
     grid, output_shapes = shape
-    if has_starts:
-        step = _step_args(position, kv_start, B)
-    else:
-        step = [_length_arg(position), _length_arg(int(kv_start)), _ZEROS8_I32]
     out, _ = launch.kernel(
         inputs=[
             queries,
@@ -740,8 +736,8 @@ def tq_decode_mma(
             v_codes,
             v_norms,
             *launch.tables,  # K table, V table, Π_K, Π_V
-            _sinks_arg(sinks) if sinks is not None else _ZEROS8,
-            *step,
+            _sinks_arg(sinks),
+            *_step_args(position, kv_start, B),
             _ticket_arg(launch.n_seq_heads),
         ],
         grid=grid,
