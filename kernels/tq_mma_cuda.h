@@ -97,6 +97,12 @@ struct TsChunk {
   }
   // Byte offset of coordinate c0 + i's entry; BITS 8.
   TS_FUNC uint single(int i) const { return ts_byte(lo[i / 4], i % 4) << 7; }
+  // Under PL (entries 256 bytes apart from a 64 KB-aligned window address): the shared
+  // address of the entry of code byte b (pair p at 4 bits, coordinate i at 8), one PRMT:
+  // bytes 0, 2, 3 from the lane's column address, byte 1 = the code byte.
+  TS_FUNC uint byte_addr(int b, uint lane_addr) const {
+    return __byte_perm(lo[b / 4], lane_addr, 0x7604 | ((b % 4) << 4));
+  }
 };
 
 // Entries of a side's lookup table: a half2 of two coordinates' centroids for 2/3/4 bits
@@ -106,18 +112,30 @@ constexpr int ts_lut_entries(int bits) { return bits == 8 ? 256 : 1 << (2 * bits
 // half2 (coordinates c0 + 2p, c0 + 2p + 1) of one key from its chunk. `lut` addresses
 // this lane's column of a table replicated once per lane (entry e at lut[32 e]), so
 // the 32 lanes of a warp always hit 32 different banks.
-template <int BITS, int D, int NC>
+template <int BITS, int D, int NC, bool PL = false>
 TS_FUNC uint ts_key_pair(const TsChunk<BITS, D, NC>& ch, uint lut, int p) {
+  if (PL && BITS == 8) {
+    return __byte_perm(ts_lut_at(0u, ch.byte_addr(2 * p, lut)), ts_lut_at(0u, ch.byte_addr(2 * p + 1, lut)), 0x5410);
+  }
+  if (PL) return ts_lut_at(0u, ch.byte_addr(p, lut));
   if (BITS == 8) return __byte_perm(ts_lut_at(lut, ch.single(2 * p)), ts_lut_at(lut, ch.single(2 * p + 1)), 0x5410);
   return ts_lut_at(lut, ch.pair(p));
 }
 
 // For the weighted-V product, whose fragments pair two keys at one coordinate: from
 // keys x and y, the half2s (x[c], y[c]) and (x[c + 1], y[c + 1]) of pair p.
-template <int BITS, int D, int NC>
+template <int BITS, int D, int NC, bool PL = false>
 TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, uint lut,
                              int p, uint& even, uint& odd) {
-  if (BITS == 8) {
+  if (PL && BITS == 8) {
+    even = __byte_perm(ts_lut_at(0u, x.byte_addr(2 * p, lut)), ts_lut_at(0u, y.byte_addr(2 * p, lut)), 0x5410);
+    odd = __byte_perm(ts_lut_at(0u, x.byte_addr(2 * p + 1, lut)), ts_lut_at(0u, y.byte_addr(2 * p + 1, lut)), 0x5410);
+  } else if (PL) {
+    const uint a = ts_lut_at(0u, x.byte_addr(p, lut));
+    const uint b = ts_lut_at(0u, y.byte_addr(p, lut));
+    even = __byte_perm(a, b, 0x5410);
+    odd = __byte_perm(a, b, 0x7632);
+  } else if (BITS == 8) {
     even = __byte_perm(ts_lut_at(lut, x.single(2 * p)), ts_lut_at(lut, y.single(2 * p)), 0x5410);
     odd = __byte_perm(ts_lut_at(lut, x.single(2 * p + 1)), ts_lut_at(lut, y.single(2 * p + 1)), 0x5410);
   } else {

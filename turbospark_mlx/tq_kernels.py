@@ -467,6 +467,9 @@ MMA_BLOCKS_PER_SM = 2
 MMA_AUTO_HEAD_DIMS = (64, 128, 256)
 MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
+# Lookup addresses by one PRMT (tq_decode_mma.kernel, PL) where a variant allows it.
+# UNMEASURED on a GPU (session 7 compiled it: tq4 loop 674 -> ~610 SASS instructions).
+MMA_PRMT_LOOKUPS = True
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
 # out of registers. With 8 warps, 48 KB is 2 slots of 2.4 KB per warp at tq4, D 128 (one
 # tile in flight while one is worked on); 3 or 4 slots measured the same on the H200.
@@ -582,9 +585,18 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     R = group * rows
     RP = 8 if R <= 8 else 16
     D = head_dim
-    nwarp = MMA_WARPS
     KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
     shared_table = _same_codebook(quant)
+    # PL: one byte-indexed table (4-bit pairs or 8-bit codes) at shared-window address 64 KB,
+    # entries 256 bytes apart (see the kernel): ~210 KB per block, so one block per SM, of 16
+    # warps (16 x 32 x 128 registers is the register file: variants ptxas gives <= 128).
+    pl = (
+        MMA_PRMT_LOOKUPS
+        and shared_table
+        and quant.k.bits in (4, 8)
+        and _mma_regs(quant, head_dim, RP) * 32 * 2 * MMA_WARPS <= MMA_SM_REGS
+    )
+    nwarp = 2 * MMA_WARPS if pl else MMA_WARPS
     vlut_off = 0 if shared_table else 32 * KE
     lut_words = 32 * KE + (0 if shared_table else 32 * VE)
     # Each warp's ring of tiles (K rows, V rows, norms of 16 keys): as many slots as fit in
@@ -595,7 +607,10 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     ring_words = nwarp * stages * tile_words
     # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
     # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory.
-    smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+    if pl:  # 64 KB below the table (whatever the window's base), the table, then q', rows, rings
+        smem = 4 * max(2 * 16384 + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+    else:
+        smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
     per_sm = max(
         1,
         min(
@@ -619,6 +634,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("HAS_STARTS", has_starts),
         ("HAS_SINK", has_sink),
         ("VLUT_OFF", vlut_off),
+        ("PL", pl),
         ("OT", out_dtype),
     )
     return MmaConfig(template, smem, R, RP, nwarp, per_sm, tables, [])
@@ -631,7 +647,7 @@ def _mma_splits(cfg: MmaConfig, tiles: int, n_seq_heads: int, tiles_per_warp: in
     if tiles_per_warp is None:
         per_head = max(1, MMA_SMS * min(cfg.per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
         tiles_per_warp = max(
-            MMA_MIN_TILES,
+            max(1, MMA_MIN_TILES * MMA_WARPS // cfg.nwarp),  # keys per block, not per warp
             -(-tiles // (cfg.nwarp * per_head)),
             -(-tiles // (cfg.nwarp * MMA_MAX_SPLITS)),
         )
