@@ -20,7 +20,8 @@ def st(fn, x0, n=20, reps=60):
 files = sys.argv[1:]
 D, Hq, Hkv = 128, 32, 8
 res = []
-for preset, kbits, vbits in (("tq4", 4, 4), ("tq3", 3, 3)):
+PRESETS = os.environ.get("PRESETS", "tq4,tq3").split(",")  # e.g. PRESETS=tq4
+for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3)) if p[0] in PRESETS]:
   quant = LayerQuant(0, side_quant(kbits, D, "auto", 0, 0, "k"), side_quant(vbits, D, "auto", 0, 0, "v"))
   for L in (64, 4096, 32768, 131072):
     q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
@@ -33,14 +34,16 @@ for preset, kbits, vbits in (("tq4", 4, 4), ("tq3", 3, 3)):
     fns = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5),
            "wrapper": lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1)}
     for kf in files:
-        kf, _, ring = kf.partition("@")
-        saved = tk.MMA_RING_BYTES
+        name, _, flags = kf.partition("%")  # FILE%nopl: that file with MMA_PRMT_LOOKUPS off
+        kf, _, ring = name.partition("@")
+        saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False)
         if ring: tk.MMA_RING_BYTES = int(ring) * 1024
+        if flags == "nopl": tk.MMA_PRMT_LOOKUPS = False
         c = tk._mma_config_uncached(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
-        tk.MMA_RING_BYTES = saved
+        tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS = saved
         sp = tk._mma_splits(c, -(-L // 16), Hkv)
         kern = mk.make(kf, c)
-        fns[Path(kf).stem + (f"@{ring}" if ring else "")] = (lambda kern, c, sp: lambda q: mk.call(kern, c, sp, q, kc, kn, vc, vn, L, Hkv)[0])(kern, c, sp)
+        fns[Path(kf).stem + (f"@{ring}" if ring else "") + (f"%{flags}" if flags else "")] = (lambda kern, c, sp: lambda q: mk.call(kern, c, sp, q, kc, kn, vc, vn, L, Hkv)[0])(kern, c, sp)
     splits = tk._mma_splits(cfg, -(-L // 16), Hkv)
     outs = {n: f(q0) for n, f in fns.items()}
     mx.eval(outs)
