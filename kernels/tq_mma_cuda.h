@@ -157,6 +157,10 @@ TS_FUNC uint ts_smem_addr(const void* p) {
 TS_FUNC void ts_cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ts_smem_addr(dst)), "l"(src));
 }
+// The same copy to a shared-window address (no generic-to-shared conversion per copy).
+TS_FUNC void ts_cp_async16_at(uint dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 TS_FUNC void ts_cp_async4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(ts_smem_addr(dst)), "l"(src));
 }

@@ -44,6 +44,11 @@ def stamped(src: str) -> str:
             src = src[:i] + f"  if (kb == kbeg) STAMP({k});\n" + src[i:]
         else:
             src = src[:i] + f"STAMP({k});\n" + src[i:]
+    # Thread 0 zeroes its block's 32 slots first, so no init_value (a fill node per call) is needed.
+    zero = ('if (threadIdx.x == 0) { size_t z_ = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 32; '
+            'for (int i_ = 0; i_ < 32; i_++) stamps[z_ + i_] = 0; }\n')
+    i = src.index("STAMP(0);")
+    src = src[:i] + zero + src[i:]
     return STAMP + src + "\nSTAMP(10);\n"
 
 _tmp = Path(tempfile.mkdtemp())
@@ -70,4 +75,4 @@ def call(kern, cfg, splits, q, kc, kn, vc, vn, L, Hkv, stamps=False):
     return kern(inputs=[q, kc, kn, vc, vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B),
                         tk._ticket_arg(B * Hkv)],
                 grid=(32 * cfg.nwarp * splits, B * Hkv, 1), threadgroup=(32 * cfg.nwarp, 1, 1),
-                output_shapes=shapes, output_dtypes=dts, **({'init_value': 0} if stamps else {}))
+                output_shapes=shapes, output_dtypes=dts)
