@@ -468,7 +468,8 @@ MMA_AUTO_HEAD_DIMS = (64, 128, 256)
 MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
 # Lookup addresses by one PRMT (tq_decode_mma.kernel, PL) where a variant allows it.
-# UNMEASURED on a GPU (session 7 compiled it: tq4 loop 674 -> ~610 SASS instructions).
+# H200, session 8 (chained probe, tq4 llama shape): 128k 85.6 -> 75.8 us per call, 32k
+# 44.5 -> 39.1, 4k unchanged (benchmarks/results/mma_probe_s8_prmt.json).
 MMA_PRMT_LOOKUPS = True
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
 # out of registers. With 8 warps, 48 KB is 2 slots of 2.4 KB per warp at tq4, D 128 (one
