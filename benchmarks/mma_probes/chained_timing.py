@@ -7,15 +7,7 @@ import mk  # noqa: E402
 from mk import tk
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
 
-def st(fn, x0, n=20, reps=60):
-    mx.eval(fn(x0)); mx.synchronize()
-    b, r = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter(); x = x0
-        for _ in range(n): x = fn(x)
-        t1 = time.perf_counter(); mx.eval(x); mx.synchronize(); t2 = time.perf_counter()
-        b.append((t1 - t0) / n * 1e6); r.append((t2 - t1) / n * 1e6)
-    return statistics.median(b), statistics.median(r)
+from chained_timing_lib import st  # noqa: E402
 
 files = sys.argv[1:]
 D, Hq, Hkv = 128, 32, 8
@@ -33,16 +25,20 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3)) if p[0] i
     cfg = tk._mma_config(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
     fns = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5),
            "wrapper": lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1)}
+    meta = {}
     for kf in files:
-        name, _, flags = kf.partition("%")  # FILE%nopl: that file with MMA_PRMT_LOOKUPS off
+        # FILE%nopl: that file with MMA_PRMT_LOOKUPS off; FILE%w16: MMA_WARPS 16 (non-PL variants)
+        name, _, flags = kf.partition("%")
         kf, _, ring = name.partition("@")
-        saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False)
+        saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False), tk.MMA_WARPS
         if ring: tk.MMA_RING_BYTES = int(ring) * 1024
         if flags == "nopl": tk.MMA_PRMT_LOOKUPS = False
+        if flags == "w16": tk.MMA_WARPS = 16
         c = tk._mma_config_uncached(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
-        tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS = saved
         sp = tk._mma_splits(c, -(-L // 16), Hkv)
+        tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS, tk.MMA_WARPS = saved
         kern = mk.make(kf, c)
+        meta[Path(kf).stem + (f"@{ring}" if ring else "") + (f"%{flags}" if flags else "")] = dict(splits=sp, nwarp=c.nwarp)
         fns[Path(kf).stem + (f"@{ring}" if ring else "") + (f"%{flags}" if flags else "")] = (lambda kern, c, sp: lambda q: mk.call(kern, c, sp, q, kc, kn, vc, vn, L, Hkv)[0])(kern, c, sp)
     splits = tk._mma_splits(cfg, -(-L // 16), Hkv)
     outs = {n: f(q0) for n, f in fns.items()}
@@ -53,7 +49,7 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3)) if p[0] i
     for rnd in range(3):
         for n, f in fns.items():
             acc[n].append(st(f, q0))
-    row = dict(preset=preset, L=L, splits=splits, errs=errs)
+    row = dict(preset=preset, L=L, splits=splits, errs=errs, variants=meta)
     for n, v in acc.items():
         row[n] = dict(build=round(statistics.median(x[0] for x in v), 1), eval=round(statistics.median(x[1] for x in v), 1),
                       evals=[round(x[1], 1) for x in v])
