@@ -98,10 +98,34 @@ struct TsChunk {
   // Byte offset of coordinate c0 + i's entry; BITS 8.
   TS_FUNC uint single(int i) const { return ts_byte(lo[i / 4], i % 4) << 7; }
   // Under PL (entries 256 bytes apart from a 64 KB-aligned window address): the shared
-  // address of the entry of code byte b (pair p at 4 bits, coordinate i at 8), one PRMT:
-  // bytes 0, 2, 3 from the lane's column address, byte 1 = the code byte.
+  // address of the entry of code byte b (pair p at 2/3/4 bits, coordinate i at 8), one
+  // PRMT: bytes 0, 2, 3 from the lane's column address, byte 1 = the code byte.
   TS_FUNC uint byte_addr(int b, uint lane_addr) const {
+    if (BITS == 2 || BITS == 3) return __byte_perm(ix[2 * (b / 8) + (b % 2)], lane_addr, 0x7604 | (((b % 8) / 2) << 4));
     return __byte_perm(lo[b / 4], lane_addr, 0x7604 | ((b % 4) << 4));
+  }
+  // Under PL at 2/3 bits: each pair's table index (its plane-0 nibble, its two high-plane
+  // bits above) as one byte, so that an address is one PRMT as at 4 bits. Word 2w holds
+  // pairs 8w + 0, 2, 4, 6 and word 2w + 1 pairs 8w + 1, 3, 5, 7: ~9 operations per 8 pairs
+  // at 3 bits (2 at 2 bits), where shift-and-mask addresses took 5 per pair.
+  static constexpr int NIX = (BITS == 2 || BITS == 3) ? 2 * NLO : 1;
+  uint ix[NIX];
+  TS_FUNC void pair_bytes() {
+    TS_UNROLL for (int w = 0; w < NLO; w++) {
+      uint a = lo[w] & 0x0f0f0f0fu;
+      uint b = (lo[w] >> 4) & 0x0f0f0f0fu;
+      if (BITS == 3) {
+        // The 16 high bits of these 8 pairs, 2-bit group k moved to bits 4k: bytes apart,
+        // then nibbles apart, then the two groups of a nibble apart.
+        uint x = __byte_perm(hi[w / 2], 0u, (w % 2) ? 0x4342 : 0x4140);
+        x = (x | (x << 4)) & 0x0f0f0f0fu;
+        x = (x | (x << 2)) & 0x33333333u;
+        a |= (x << 4) & 0xf0f0f0f0u;  // even groups (pairs 8w + 2m) to bits 4-5 of byte m
+        b |= x & 0xf0f0f0f0u;         // odd groups
+      }
+      ix[2 * w] = a;
+      ix[2 * w + 1] = b;
+    }
   }
 };
 

@@ -154,6 +154,9 @@ MMA_CASES = [
     (1, 16, 1, 1, 128, 4, 4, 3000, 0, False),  # G = 16: a full score tile
     (1, 8, 8, 1, 128, 4, 8, 17, 0, False),  # G = 1, one partial tile
     (1, 8, 2, 1, 128, 8, 8, 40000, 39990, True),  # all but 10 keys before kv_start
+    (1, 16, 2, 1, 64, 2, 2, 9000, 0, False),  # tq2, D 64: pair indices as bytes (PL)
+    (1, 24, 8, 1, 64, 3, 3, 12345, 0, True),  # tq3, D 64, G 3 (PL)
+    (2, 32, 8, 1, 128, 3, 3, 4100, [0, 100], False),  # tq3 (PL), per-sequence starts
 ]
 
 

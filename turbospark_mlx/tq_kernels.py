@@ -125,18 +125,18 @@ _TICKETS: dict[int, list] = {}  # n words per call -> [ring, its region views, n
 
 def _ticket_arg(n: int) -> mx.array:
     """n zeroed ticket words that no launch still in flight holds: a view of a ring of
-    MMA_TICKET_CALLS regions, kept per region (a slice costs more host time than a call's
-    other inputs together)."""
+    MMA_TICKET_CALLS regions. The views are made and evaluated once, with the ring: a
+    slice costs more host time than a call's other inputs together, and an unevaluated
+    one is one more op in every call's eval."""
     state = _TICKETS.get(n)
     if state is None or len(state[1]) != MMA_TICKET_CALLS:
         ring = _resident(mx.zeros((MMA_TICKET_CALLS * n,), mx.uint32))
-        state = _TICKETS[n] = [ring, [None] * MMA_TICKET_CALLS, 0]
+        views = [ring[i * n : (i + 1) * n] for i in range(MMA_TICKET_CALLS)]
+        mx.eval(views)
+        state = _TICKETS[n] = [ring, views, 0]
     ring, views, i = state
     state[2] = (i + 1) % len(views)
-    view = views[i]
-    if view is None:
-        view = views[i] = ring[i * n : (i + 1) * n]
-    return view
+    return views[i]
 
 
 def _sinks_arg(sinks: mx.array | None) -> mx.array:
@@ -469,7 +469,9 @@ MMA_AUTO_MIN_CONTEXT = 4096
 MMA_MAX_SPLITS = 1024
 # Lookup addresses by one PRMT (tq_decode_mma.kernel, PL) where a variant allows it.
 # H200, session 8 (chained probe, tq4 llama shape): 128k 85.6 -> 75.8 us per call, 32k
-# 44.5 -> 39.1, 4k unchanged (benchmarks/results/mma_probe_s8_prmt.json).
+# 44.5 -> 39.1, 4k unchanged (benchmarks/results/mma_probe_s8_prmt.json). Session 9, 2/3
+# bits (pair indices assembled as bytes), tq3: 128k 95.3 -> 77.0 us eval per call, 32k
+# 48.5 -> 38.7, 4k unchanged (mma_probe_s9_tq3_pl.json).
 MMA_PRMT_LOOKUPS = True
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
 # out of registers. With 8 warps, 48 KB is 2 slots of 2.4 KB per warp at tq4, D 128 (one
@@ -588,13 +590,14 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     D = head_dim
     KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
     shared_table = _same_codebook(quant)
-    # PL: one byte-indexed table (4-bit pairs or 8-bit codes) at shared-window address 64 KB,
-    # entries 256 bytes apart (see the kernel): ~210 KB per block, so one block per SM, of 16
-    # warps (16 x 32 x 128 registers is the register file: variants ptxas gives <= 128).
+    # PL: one byte-indexed table (a pair of 2/3/4-bit codes or one 8-bit code per byte) at
+    # shared-window address 64 KB, entries 256 bytes apart (see the kernel): up to ~210 KB per
+    # block, so one block per SM, of 16 warps (16 x 32 x 128 registers is the register file:
+    # variants ptxas gives <= 128).
     pl = (
         MMA_PRMT_LOOKUPS
         and shared_table
-        and quant.k.bits in (4, 8)
+        and quant.k.bits in MMA_BITS
         and _mma_regs(quant, head_dim, RP) * 32 * 2 * MMA_WARPS <= MMA_SM_REGS
     )
     nwarp = 2 * MMA_WARPS if pl else MMA_WARPS
@@ -609,7 +612,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
     # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory.
     if pl:  # 64 KB below the table (whatever the window's base), the table, then q', rows, rings
-        smem = 4 * max(2 * 16384 + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+        smem = 4 * max(16384 + 64 * KE + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
     else:
         smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
     per_sm = max(
