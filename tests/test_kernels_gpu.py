@@ -157,6 +157,8 @@ MMA_CASES = [
     (1, 16, 2, 1, 64, 2, 2, 9000, 0, False),  # tq2, D 64: pair indices as bytes (PL)
     (1, 24, 8, 1, 64, 3, 3, 12345, 0, True),  # tq3, D 64, G 3 (PL)
     (2, 32, 8, 1, 128, 3, 3, 4100, [0, 100], False),  # tq3 (PL), per-sequence starts
+    (1, 32, 8, 1, 128, 4, 3, 6000, 0, True),  # k4v3: K and V tables side by side (PL), 16 warps
+    (1, 32, 8, 1, 128, 8, 4, 20000, 0, False),  # k8v4 (the default preset), llama shape (PL), 8 warps
 ]
 
 

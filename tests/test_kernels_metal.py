@@ -411,3 +411,22 @@ def test_mma_launch_cache_matches_the_plan(monkeypatch):
     assert calls[0]["inputs"][13] is not calls[1]["inputs"][13]  # consecutive calls, distinct regions
     assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False) is launch
     assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, True, False) is not launch
+
+
+def test_mma_shared_memory_fits_one_block_on_sm90():
+    """Every tq_decode_mma variant asks for at most the 227 KB of dynamic shared memory an
+    sm_90 block may have (more fails the launch: cuGraphAddKernelNode "invalid argument"):
+    PL's byte-indexed tables fall back to packed ones where they would not fit."""
+    limit = tq_kernels.MMA_SM_SHARED - tq_kernels.MMA_BLOCK_SHARED_RESERVED
+    pl_seen = set()
+    for kb in (2, 3, 4, 8):
+        for vb in (2, 3, 4, 8):
+            for d in (64, 128, 256):
+                for g, m in ((1, 1), (4, 1), (8, 1), (16, 1), (4, 4)):
+                    plan = mma_plan(
+                        _quant(kb, vb, d), g, m, d, 8, 131072,
+                        scale=d**-0.5, has_starts=False, has_sink=False, out_dtype=mx.float16,
+                    )
+                    assert plan["smem"] <= limit, (kb, vb, d, g, m, plan["smem"])
+                    pl_seen.add(dict(plan["template"])["PL"])
+    assert pl_seen == {True, False}

@@ -590,31 +590,34 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     D = head_dim
     KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
     shared_table = _same_codebook(quant)
-    # PL: one byte-indexed table (a pair of 2/3/4-bit codes or one 8-bit code per byte) at
-    # shared-window address 64 KB, entries 256 bytes apart (see the kernel): up to ~210 KB per
-    # block, so one block per SM, of 16 warps (16 x 32 x 128 registers is the register file:
-    # variants ptxas gives <= 128).
-    pl = (
-        MMA_PRMT_LOOKUPS
-        and shared_table
-        and quant.k.bits in MMA_BITS
-        and _mma_regs(quant, head_dim, RP) * 32 * 2 * MMA_WARPS <= MMA_SM_REGS
-    )
-    nwarp = 2 * MMA_WARPS if pl else MMA_WARPS
+    # PL: byte-indexed tables (a pair of 2/3/4-bit codes or one 8-bit code per byte) at
+    # shared-window address 64 KB, entries 256 bytes apart, K's and V's side by side (see the
+    # kernel): up to ~210 KB per block, so one block per SM; of 16 warps where ptxas gives the
+    # variant <= 128 registers (16 x 32 x 128 is the register file), else of 8.
+    def layout(pl: bool) -> tuple[int, int, int]:
+        """(warps per block, ring slots per warp, shared memory bytes) with or without PL."""
+        wide = _mma_regs(quant, head_dim, RP) * 32 * 2 * MMA_WARPS <= MMA_SM_REGS
+        nwarp = 2 * MMA_WARPS if pl and wide else MMA_WARPS
+        # Each warp's ring of tiles (K rows, V rows, norms of 16 keys): as many slots as fit in
+        # MMA_RING_BYTES, 2 to 4 (2 is one tile in flight while one is worked on).
+        stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * nwarp * tile_words)))
+        ring_words = nwarp * stages * tile_words
+        # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
+        # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory. Under
+        # PL: 64 KB below the table (whatever the window's base), the table, then q', rows, rings.
+        tables_words = 16384 + 64 * max(KE, VE) if pl else lut_words
+        smem = 4 * max(tables_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+        return nwarp, stages, smem
+
     vlut_off = 0 if shared_table else 32 * KE
     lut_words = 32 * KE + (0 if shared_table else 32 * VE)
-    # Each warp's ring of tiles (K rows, V rows, norms of 16 keys): as many slots as fit in
-    # MMA_RING_BYTES, 2 to 4 (2 is one tile in flight while one is worked on).
     v_stride = quant.v.words + (4 if quant.v.words % 8 == 0 else 0)  # VRWP in the kernel
     tile_words = 16 * (quant.k.words + v_stride) + 32
-    stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * nwarp * tile_words)))
-    ring_words = nwarp * stages * tile_words
-    # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
-    # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory.
-    if pl:  # 64 KB below the table (whatever the window's base), the table, then q', rows, rings
-        smem = 4 * max(16384 + 64 * KE + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
-    else:
-        smem = 4 * max(lut_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+    pl = MMA_PRMT_LOOKUPS
+    nwarp, stages, smem = layout(pl)
+    if pl and smem > MMA_SM_SHARED - MMA_BLOCK_SHARED_RESERVED:  # e.g. an 8-bit table at 16 warps
+        pl = False
+        nwarp, stages, smem = layout(pl)
     per_sm = max(
         1,
         min(

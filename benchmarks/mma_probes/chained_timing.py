@@ -13,7 +13,7 @@ files = sys.argv[1:]
 D, Hq, Hkv = 128, 32, 8
 res = []
 PRESETS = os.environ.get("PRESETS", "tq4,tq3").split(",")  # e.g. PRESETS=tq4
-for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3)) if p[0] in PRESETS]:
+for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 8, 4)) if p[0] in PRESETS]:
   quant = LayerQuant(0, side_quant(kbits, D, "auto", 0, 0, "k"), side_quant(vbits, D, "auto", 0, 0, "v"))
   for L in (64, 4096, 32768, 131072):
     q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
