@@ -7,7 +7,7 @@ import mk  # noqa: E402
 from mk import tk
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
 
-from chained_timing_lib import st  # noqa: E402
+from chained_timing_lib import random_layer, st  # noqa: E402
 
 files = sys.argv[1:]
 D, Hq, Hkv = 128, 32, 8
@@ -16,12 +16,7 @@ PRESETS = os.environ.get("PRESETS", "tq4,tq3").split(",")  # e.g. PRESETS=tq4
 for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 8, 4)) if p[0] in PRESETS]:
   quant = LayerQuant(0, side_quant(kbits, D, "auto", 0, 0, "k"), side_quant(vbits, D, "auto", 0, 0, "v"))
   for L in (64, 4096, 32768, 131072):
-    q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
-    kc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.k.words)).astype(mx.uint32)
-    vc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.v.words)).astype(mx.uint32)
-    kn = mx.random.uniform(0.5, 2.0, (1, Hkv, L)); vn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
-    k = mx.random.normal((1, Hkv, L, D)).astype(mx.float16); v = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
-    mx.eval(q0, kc, vc, kn, vn, k, v)
+    q0, kc, kn, vc, vn, k, v = random_layer(quant, L, Hq, Hkv, D)
     cfg = tk._mma_config(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
     fns = {"sdpa": lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5),
            "wrapper": lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1)}

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import mk  # noqa: E402
 from mk import tk
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
+from chained_timing_lib import random_layer, st  # noqa: E402
 
 
 def build_only(fn, x0, n=2000):
@@ -22,15 +23,9 @@ def build_only(fn, x0, n=2000):
     return round(statistics.median(ts), 2)
 
 
-def chained(fn, x0, n=20, reps=40):
-    mx.eval(fn(x0)); mx.synchronize()
-    b, r = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter(); x = x0
-        for _ in range(n): x = fn(x)
-        t1 = time.perf_counter(); mx.eval(x); mx.synchronize(); t2 = time.perf_counter()
-        b.append((t1 - t0) / n * 1e6); r.append((t2 - t1) / n * 1e6)
-    return round(statistics.median(b), 2), round(statistics.median(r), 2)
+def chained(fn, x0):
+    b, r = st(fn, x0, reps=40)
+    return round(b, 2), round(r, 2)
 
 
 res = {}
@@ -77,12 +72,7 @@ if found:
 D, Hq, Hkv = 128, 32, 8
 quant = LayerQuant(0, side_quant(4, D, "auto", 0, 0, "k"), side_quant(4, D, "auto", 0, 0, "v"))
 for L in (64, 4096):
-    q0 = mx.random.normal((1, Hq, 1, D)).astype(mx.float16)
-    kc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.k.words)).astype(mx.uint32)
-    vc = mx.random.randint(0, 1 << 30, (1, Hkv, L, quant.v.words)).astype(mx.uint32)
-    kn = mx.random.uniform(0.5, 2.0, (1, Hkv, L)); vn = mx.random.uniform(0.5, 2.0, (1, Hkv, L))
-    k = mx.random.normal((1, Hkv, L, D)).astype(mx.float16); v = mx.random.normal((1, Hkv, L, D)).astype(mx.float16)
-    mx.eval(q0, kc, vc, kn, vn, k, v)
+    q0, kc, kn, vc, vn, k, v = random_layer(quant, L, Hq, Hkv, D)
     rec(f"sdpa_{L}", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5), q0)
     rec(f"mma_wrapper_{L}", lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1), q0)
 Path(os.environ.get("OUT", "/tmp"), "host_cost.json").write_text(json.dumps(res, indent=1))
