@@ -471,7 +471,8 @@ MMA_MAX_SPLITS = 1024
 # H200, session 8 (chained probe, tq4 llama shape): 128k 85.6 -> 75.8 us per call, 32k
 # 44.5 -> 39.1, 4k unchanged (benchmarks/results/mma_probe_s8_prmt.json). Session 9, 2/3
 # bits (pair indices assembled as bytes), tq3: 128k 95.3 -> 77.0 us eval per call, 32k
-# 48.5 -> 38.7, 4k unchanged (mma_probe_s9_tq3_pl.json).
+# 48.5 -> 38.7, 4k unchanged (mma_probe_s9_tq3_pl.json); K and V tables side by side, k8v4:
+# 128k 136.8 -> 128.1, 4k-32k unchanged (mma_probe_s9_k8v4_pl.json).
 MMA_PRMT_LOOKUPS = True
 # Shared memory for the warps' rings of in-flight tiles: cp.async keeps the bytes in flight
 # out of registers. With 8 warps, 48 KB is 2 slots of 2.4 KB per warp at tq4, D 128 (one
@@ -590,6 +591,10 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
     D = head_dim
     KE, VE = _lut_entries(quant.k.bits), _lut_entries(quant.v.bits)
     shared_table = _same_codebook(quant)
+    vlut_off = 0 if shared_table else 32 * KE
+    lut_words = 32 * KE + (0 if shared_table else 32 * VE)
+    v_stride = quant.v.words + (4 if quant.v.words % 8 == 0 else 0)  # VRWP in the kernel
+    tile_words = 16 * (quant.k.words + v_stride) + 32
     # PL: byte-indexed tables (a pair of 2/3/4-bit codes or one 8-bit code per byte) at
     # shared-window address 64 KB, entries 256 bytes apart, K's and V's side by side (see the
     # kernel): up to ~210 KB per block, so one block per SM; of 16 warps where ptxas gives the
@@ -609,10 +614,6 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         smem = 4 * max(tables_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
         return nwarp, stages, smem
 
-    vlut_off = 0 if shared_table else 32 * KE
-    lut_words = 32 * KE + (0 if shared_table else 32 * VE)
-    v_stride = quant.v.words + (4 if quant.v.words % 8 == 0 else 0)  # VRWP in the kernel
-    tile_words = 16 * (quant.k.words + v_stride) + 32
     pl = MMA_PRMT_LOOKUPS
     nwarp, stages, smem = layout(pl)
     if pl and smem > MMA_SM_SHARED - MMA_BLOCK_SHARED_RESERVED:  # e.g. an 8-bit table at 16 warps
