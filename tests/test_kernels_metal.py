@@ -265,15 +265,18 @@ MMA_SAMPLE = (
 )
 
 
+def _mma_plan_of(kb: int, vb: int, d: int, g: int, m: int, **kw) -> dict:
+    return mma_plan(_quant(kb, vb, d), g, m, d, 8, 5000, scale=d**-0.5, **{
+        "has_starts": False, "has_sink": False, "out_dtype": mx.float16, **kw})
+
+
 def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
     """The source MLX's cuda_kernel builds for one tq_decode_mma launch (MLX's own header
     replaced by tests/cuda_shim/mlx_device.cuh)."""
     f32, u32, i32 = mx.float32, mx.uint32, mx.int32
     qdt = (mx.float16, mx.bfloat16, mx.float32)[i % 3]
     q = _quant(kb, vb, d)
-    plan = mma_plan(
-        q, g, m, d, 8, 5000, scale=d**-0.5, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt
-    )
+    plan = _mma_plan_of(kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt)
     ins = [
         ArgInfo(qdt, 4, 8 * g * m * d),
         ArgInfo(u32, 4, 8 * 4096 * q.k.words),
@@ -307,8 +310,14 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(pool.map(compile_one, range(len(MMA_SAMPLE))))
-    for sample, r in zip(MMA_SAMPLE, results):
+    for i, (sample, r) in enumerate(zip(MMA_SAMPLE, results)):
         assert r.returncode == 0, (sample, r.stderr[-4000:])
+        # The build states its block size (__launch_bounds__), so ptxas fits the registers
+        # of all its warps in the SM's 64K: a launch asking for more fails.
+        nwarp = dict(_mma_plan_of(*sample)["template"])["NWARP"]
+        assert f"__launch_bounds__({32 * nwarp}, 1)" in _mma_unit(i, *sample)
+        regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+        assert regs * 32 * nwarp <= 65536, (sample, regs, nwarp)
     assert "0 bytes spill stores" in results[0].stderr, results[0].stderr[-2000:]
 
 

@@ -61,6 +61,9 @@ class KernelSpec:
     outputs: tuple[str, ...]
     backends: tuple[str, ...] = GPU_BACKENDS
     headers: tuple[str, ...] = ()
+    # CUDA: the template constant whose value times 32 is the block size, given to ptxas as
+    # __launch_bounds__ (see _cuda_launch_bounds); None: no bound.
+    warps_constant: str | None = None
 
 
 SPECS: dict[str, KernelSpec] = {
@@ -107,6 +110,7 @@ SPECS: dict[str, KernelSpec] = {
             ("out", "part"),
             backends=("cuda",),
             headers=("tq_mma_cuda.h",),
+            warps_constant="NWARP",
         ),
     )
 }
@@ -230,6 +234,24 @@ def _cuda_constants(template) -> str:
     return out
 
 
+def _cuda_launch_bounds(op: str, template) -> str:
+    """Header lines that give the kernel of this build `__launch_bounds__(block size, 1)`, so
+    that ptxas fits its registers to the block (65536 / threads each): unbounded, NVRTC on
+    the H200 gave a 16-warp tq_decode_mma more than 128 and its launch failed ("too many
+    resources requested for launch"). MLX writes the kernel's signature after the header,
+    so redefining `__global__` there is the one way to reach it."""
+    spec = SPECS[op]
+    if spec.warps_constant is None:
+        return ""
+    threads = 32 * dict(template)[spec.warps_constant]
+    return f"#undef __global__\n#define __global__ __attribute__((global)) __launch_bounds__({threads}, 1)\n"
+
+
+def cuda_header(op: str, template) -> str:
+    """The `header` given to mx.fast.cuda_kernel for `op` at these template values."""
+    return _cuda_parts(op)[0] + _cuda_launch_bounds(op, template)
+
+
 def cuda_body(op: str, template) -> str:
     """The `source` given to mx.fast.cuda_kernel for `op` at these template values."""
     return _cuda_constants(template) + _cuda_parts(op)[1]
@@ -240,13 +262,13 @@ def cuda_kernel(op: str, template: tuple, shared_memory: int = 0):
     """The MLX CUDA kernel object of `op` at these template values (a tuple of
     (name, value)), built once per process."""
     spec = _check("cuda", op)
-    header, _, name = _cuda_parts(op)
+    name = _cuda_parts(op)[2]
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(spec.inputs),
         output_names=list(spec.outputs),
         source=cuda_body(op, template),
-        header=header,
+        header=cuda_header(op, template),
         shared_memory=shared_memory,
     )
 
@@ -386,7 +408,8 @@ def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], t
     """The source `mx.fast.cuda_kernel` compiles for this `launch`, less MLX's own includes
     (mlx/backend/cuda/custom_kernel.cpp `build_kernel`); the kernel files are #included."""
     spec = _check("cuda", op)
-    header, _, name = _cuda_parts(op)
+    name = _cuda_parts(op)[2]
+    header = cuda_header(op, template)
     body = cuda_body(op, template)
     args = []
     for n, a in zip(spec.inputs, inputs):

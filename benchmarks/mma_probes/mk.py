@@ -53,12 +53,14 @@ def stamped(src: str) -> str:
 
 _tmp = Path(tempfile.mkdtemp())
 
-def make(kfile, cfg, stamps=False):
+def make(kfile, cfg, stamps=False, bounds=True):
     src = Path(kfile).read_text()
     if stamps: src = stamped(src)
     tag = hashlib.sha1(src.encode()).hexdigest()[:10]
     f = _tmp / f"k_{tag}.kernel"; f.write_text(src)
-    header, tail, name = kb._cuda_parts("tq_decode_mma")
+    header, name = kb.cuda_header("tq_decode_mma", cfg.template), kb._cuda_parts("tq_decode_mma")[2]
+    if not bounds:  # without the build's __launch_bounds__ (kernel_build._cuda_launch_bounds)
+        header, name = kb._cuda_parts("tq_decode_mma")[0], name + "_nolb"
     orig = (kb.kernels_dir() / "tq_decode_mma.kernel").resolve().as_posix()
     body = kb.cuda_body("tq_decode_mma", cfg.template).replace(orig, f.as_posix())
     spec = kb._check("cuda", "tq_decode_mma")
