@@ -72,6 +72,19 @@ TS_FUNC uint ts_lut_at(uint lut, uint off) {
   return v;
 }
 
+// One LOP3 of truth table LUT (PTX lop3: a = 0xF0, b = 0xCC, c = 0xAA). Written as C,
+// ptxas masked each side of these on its own, one more operation each.
+template <int LUT>
+TS_FUNC uint ts_lop3(uint a, uint b, uint c) {
+  uint d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+  return d;
+}
+// (a & ~m) | (b & m)
+TS_FUNC uint ts_bitsel(uint a, uint b, uint m) { return ts_lop3<0xD8>(a, b, m); }
+// (a | b) & m
+TS_FUNC uint ts_or_and(uint a, uint b, uint m) { return ts_lop3<0xA8>(a, b, m); }
+
 // Words of a code chunk (coordinates [c0, c0 + NC) of one vector of D coordinates at
 // BITS bits): plane 0 in lo, and for 3 bits the high plane in hi.
 template <int BITS, int D, int NC>
@@ -106,25 +119,24 @@ struct TsChunk {
   }
   // Under PL at 2/3 bits: each pair's table index (its plane-0 nibble, its two high-plane
   // bits above) as one byte, so that an address is one PRMT as at 4 bits. Word 2w holds
-  // pairs 8w + 0, 2, 4, 6 and word 2w + 1 pairs 8w + 1, 3, 5, 7: ~9 operations per 8 pairs
-  // at 3 bits (2 at 2 bits), where shift-and-mask addresses took 5 per pair.
+  // pairs 8w + 0, 2, 4, 6 and word 2w + 1 pairs 8w + 1, 3, 5, 7. At 3 bits an even pair's
+  // byte keeps the next pair's high bits in bits 6-7 (the kernel stores a 3-bit table four
+  // times over, 256 entries): 8 operations per 8 pairs (2 at 2 bits).
   static constexpr int NIX = (BITS == 2 || BITS == 3) ? 2 * NLO : 1;
   uint ix[NIX];
   TS_FUNC void pair_bytes() {
     TS_UNROLL for (int w = 0; w < NLO; w++) {
-      uint a = lo[w] & 0x0f0f0f0fu;
-      uint b = (lo[w] >> 4) & 0x0f0f0f0fu;
       if (BITS == 3) {
-        // The 16 high bits of these 8 pairs, 2-bit group k moved to bits 4k: bytes apart,
-        // then nibbles apart, then the two groups of a nibble apart.
+        // Nibble m of the 16 high bits of these 8 pairs to byte m: pair 8w + 2m's two bits
+        // at bits 0-1, pair 8w + 2m + 1's at bits 2-3.
         uint x = __byte_perm(hi[w / 2], 0u, (w % 2) ? 0x4342 : 0x4140);
-        x = (x | (x << 4)) & 0x0f0f0f0fu;
-        x = (x | (x << 2)) & 0x33333333u;
-        a |= (x << 4) & 0xf0f0f0f0u;  // even groups (pairs 8w + 2m) to bits 4-5 of byte m
-        b |= x & 0xf0f0f0f0u;         // odd groups
+        x = ts_or_and(x, x << 4, 0x0f0f0f0fu);
+        ix[2 * w] = ts_bitsel(lo[w], x << 4, 0xf0f0f0f0u);
+        ix[2 * w + 1] = ts_bitsel(lo[w] >> 4, x << 2, 0xf0f0f0f0u);
+      } else {
+        ix[2 * w] = lo[w] & 0x0f0f0f0fu;
+        ix[2 * w + 1] = (lo[w] >> 4) & 0x0f0f0f0fu;
       }
-      ix[2 * w] = a;
-      ix[2 * w + 1] = b;
     }
   }
 };
@@ -168,6 +180,24 @@ TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, 
     even = __byte_perm(a, b, 0x5410);
     odd = __byte_perm(a, b, 0x7632);
   }
+}
+
+// Under PL at 4 bits, for the weighted-V product: bytes that pair keys x and y at one
+// coordinate (x's code in the low nibble, y's in the high), so that one lookup in the
+// pair table gives (x[c], y[c]) as a half2, the A fragment, with no PRMT to pair two
+// lookups. ev[w] byte j: coordinate c0 + 8w + 2j; od[w]: c0 + 8w + 2j + 1. Two operations
+// per word each, where pairing after the lookups took one PRMT per half2.
+// (Templated on BITS so that other variants compile the call they never make; 4 bits only.)
+template <int BITS, int D, int NC>
+TS_FUNC void ts_two_key_bytes(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, uint* ev, uint* od) {
+  TS_UNROLL for (int w = 0; w < TsChunk<BITS, D, NC>::NLO; w++) {
+    ev[w] = ts_bitsel(x.lo[w], y.lo[w] << 4, 0xf0f0f0f0u);
+    od[w] = ts_bitsel(x.lo[w] >> 4, y.lo[w], 0xf0f0f0f0u);
+  }
+}
+// The PL table word at byte b of `w` (one PRMT: see TsChunk::byte_addr).
+TS_FUNC uint ts_lut_byte(uint w, int b, uint lane_addr) {
+  return ts_lut_at(0u, __byte_perm(w, lane_addr, 0x7604 | (b << 4)));
 }
 
 // Asynchronous global -> shared copies (sm_80+): a warp streams its next tiles into a

@@ -610,7 +610,8 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         # Set-up and main loop: tables, q', row factors, rings; then the warps' merge buffers
         # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory. Under
         # PL: 64 KB below the table (whatever the window's base), the table, then q', rows, rings.
-        tables_words = 16384 + 64 * max(KE, VE) if pl else lut_words
+        # (a 3-bit table is stored four times over under PL: 256 entries, see the kernel)
+        tables_words = 16384 + 64 * max(KE, VE, *(256 for b in (quant.k.bits, quant.v.bits) if b == 3)) if pl else lut_words
         smem = 4 * max(tables_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
         return nwarp, stages, smem
 
