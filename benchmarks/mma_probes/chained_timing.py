@@ -10,7 +10,7 @@ from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
 from chained_timing_lib import random_layer, st  # noqa: E402
 
 files = sys.argv[1:]
-D, Hq, Hkv = 128, 32, 8
+D, Hq, Hkv = (256, 4, 1) if os.environ.get("SHAPE") == "gemma" else (128, 32, 8)
 res = []
 PRESETS = os.environ.get("PRESETS", "tq4,tq3").split(",")  # e.g. PRESETS=tq4
 for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 8, 4)) if p[0] in PRESETS]:
@@ -22,17 +22,19 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 
            "wrapper": lambda q: tk.tq_decode_mma(q, kc, kn, vc, vn, quant, scale=D ** -0.5, position=L - 1)}
     meta = {}
     for kf in files:
-        # FILE%nopl: that file with MMA_PRMT_LOOKUPS off; FILE%w16: MMA_WARPS 16 (non-PL variants)
+        # FILE%nopl: that file with MMA_PRMT_LOOKUPS off; FILE%w16: MMA_WARPS 16 (non-PL variants);
+        # FILE%w8: PL at 8 warps; FILE%nolb: no __launch_bounds__; FILE@KB: MMA_RING_BYTES KB
         name, _, flags = kf.partition("%")
         kf, _, ring = name.partition("@")
-        saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False), tk.MMA_WARPS
+        saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False), tk.MMA_WARPS, tk._mma_regs
         if ring: tk.MMA_RING_BYTES = int(ring) * 1024
         if flags == "nopl": tk.MMA_PRMT_LOOKUPS = False
         if flags == "w16": tk.MMA_WARPS = 16
+        if flags == "w8": tk._mma_regs = lambda *a: 255  # PL at 8 warps (ptxas may use 255 registers)
         c = tk._mma_config_uncached(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
         sp = tk._mma_splits(c, -(-L // 16), Hkv)
-        tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS, tk.MMA_WARPS = saved
-        kern = mk.make(kf, c)
+        tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS, tk.MMA_WARPS, tk._mma_regs = saved
+        kern = mk.make(kf, c, bounds=flags != "nolb")
         meta[Path(kf).stem + (f"@{ring}" if ring else "") + (f"%{flags}" if flags else "")] = dict(splits=sp, nwarp=c.nwarp)
         fns[Path(kf).stem + (f"@{ring}" if ring else "") + (f"%{flags}" if flags else "")] = (lambda kern, c, sp: lambda q: mk.call(kern, c, sp, q, kc, kn, vc, vn, L, Hkv)[0])(kern, c, sp)
     splits = tk._mma_splits(cfg, -(-L // 16), Hkv)
@@ -52,4 +54,4 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 
         if n != "sdpa": row[n]["x_sdpa"] = round((row[n]["build"] + row[n]["eval"]) / (row["sdpa"]["build"] + row["sdpa"]["eval"]), 3)
     row["stages"] = {n: None for n in fns}
     print(json.dumps(row)); res.append(row)
-Path(os.environ.get("OUT", "/tmp"), "p12.json").write_text(json.dumps(res, indent=1))
+Path(os.environ.get("OUT", "/tmp"), os.environ.get("P12", "p12.json")).write_text(json.dumps(res, indent=1))
