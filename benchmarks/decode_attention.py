@@ -97,7 +97,7 @@ def peak_extra(fn, q) -> int:
     return mx.get_peak_memory() - base
 
 
-def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
+def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False, rounds=0):
     G = Hq // Hkv
     scale = D**-0.5
     for L in contexts:
@@ -136,6 +136,7 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
             }
 
         rec("fp16_sdpa", sdpa, q0, 2 * k.nbytes)
+        paired = {"fp16_sdpa": sdpa}  # timed again in interleaved rounds at the end of the row
         sdpa_runs.append(row["methods"]["fp16_sdpa"]["amortized_us"] / 1e6)
         # kv_start / ring layers: SDPA with a boolean mask (what attention_any uses on FP16 layers).
         mask = attention_mask(mx.arange(L), mx.arange(L - 1, L), 7)
@@ -196,9 +197,11 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
             # `_kernel`: what attention_any runs (the automatic choice); on CUDA also each
             # kernel forced: `_mma` (tensor cores, where it serves) and `_dialect` (one source).
             rec(f"{preset}_kernel", tq, q0, nbytes)
+            paired[f"{preset}_kernel"] = tq
             mma = backend == "cuda" and tq_mma_unsupported(quant, G, 1, D) is None
             if mma:
                 rec(f"{preset}_mma", lambda q: tq(q, variant="mma"), q0, nbytes, peak=False)
+                paired[f"{preset}_mma"] = lambda q, tq=tq: tq(q, variant="mma")
                 plan = mma_plan(
                     quant,
                     G,
@@ -251,6 +254,8 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
                         peak=False,
                     )
             del kc, vc, kn, vn
+        if rounds:
+            paired_rounds(row, paired, q0, n_chain, rounds)
         base = row["methods"]["fp16_sdpa"]
         base["amortized_runs_us"] = [round(t * 1e6, 1) for t in sdpa_runs]
         base["amortized_us"] = statistics.median(sdpa_runs) * 1e6
@@ -279,6 +284,28 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False):
         del k, v
 
 
+def paired_rounds(row, fns, q0, n_chain: int, rounds: int) -> None:
+    """Time FP16 SDPA and the TurboQuant kernels again in `rounds` interleaved rounds (each
+    round: every method once, SDPA first, median of 5 chained evals) and store per method the
+    median over rounds of its time / SDPA's time in the same round. A ratio of timings seconds
+    apart: the sequential pass above times methods minutes apart, and the H200 machines'
+    host-side drift moved the same kernel's two rows up to 20% (session 10)."""
+    runs = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            runs[n].append(timed(fn, q0, n_chain, repeats=5, single=False)[0])
+    for n, ts in runs.items():
+        if n == "fp16_sdpa":
+            continue
+        ratios = sorted(t / b for t, b in zip(ts, runs["fp16_sdpa"]))
+        row["methods"][n]["paired"] = {
+            "rounds_us": [round(t * 1e6, 1) for t in ts],
+            "sdpa_rounds_us": [round(t * 1e6, 1) for t in runs["fp16_sdpa"]],
+            "vs_fp16_sdpa": statistics.median(ratios),
+            "vs_fp16_sdpa_range": [ratios[0], ratios[-1]],
+        }
+
+
 def markdown(meta, rows) -> str:
     lines = [
         "# Decode attention benchmark",
@@ -301,6 +328,23 @@ def markdown(meta, rows) -> str:
             lines.append(
                 f"| {r['shape']} | {r['context']} | {name} | {m['amortized_us']:.1f} | {m['single_eval_us']:.1f} | "
                 f"{m['bytes'] / 1e6:.1f} | {m['GBps']:.0f} | {m['vs_fp16_sdpa']:.2f} | {peak} |"
+            )
+    paired = [(r, n, m["paired"]) for r in rows for n, m in r["methods"].items() if "paired" in m]
+    if paired:
+        lines += [
+            "",
+            f"Paired rounds: FP16 SDPA and each kernel timed again in {len(paired[0][2]['rounds_us'])} interleaved rounds "
+            "(SDPA first in each, median of 5 chained evals each); x FP16 SDPA = the median over rounds of the "
+            "kernel's time / SDPA's in the same round, with the range over rounds.",
+            "",
+            "| shape | context | method | median us | x FP16 SDPA (paired) | range |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r, n, pr in paired:
+            lo, hi = pr["vs_fp16_sdpa_range"]
+            lines.append(
+                f"| {r['shape']} | {r['context']} | {n} | {statistics.median(pr['rounds_us']):.1f} | "
+                f"{pr['vs_fp16_sdpa']:.2f} | {lo:.2f}-{hi:.2f} |"
             )
     lines += [
         "",
@@ -363,6 +407,12 @@ def main():
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--quick", action="store_true", help="llama shape only")
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="interleaved rounds re-timing SDPA and the TurboQuant kernels for paired ratios (0: none)",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="also time other keys-per-warp at the last context",
@@ -398,7 +448,7 @@ def main():
     }
     print(json.dumps(meta), flush=True)
     rows: list = []
-    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows, args.sweep)
+    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows, args.sweep, args.rounds)
     if not args.quick:
         bench_shape(
             "gemma-like Hq4 Hkv1 D256",
@@ -409,6 +459,7 @@ def main():
             args.n_chain,
             rows,
             args.sweep,
+            args.rounds,
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
