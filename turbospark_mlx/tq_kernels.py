@@ -611,7 +611,8 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory. Under
         # PL: 64 KB below the table (whatever the window's base), the table, then q', rows, rings.
         # (a 3-bit table is stored four times over under PL: 256 entries, see the kernel)
-        tables_words = 16384 + 64 * max(KE, VE, *(256 for b in (quant.k.bits, quant.v.bits) if b == 3)) if pl else lut_words
+        pl_entries = max(256 if b == 3 else _lut_entries(b) for b in (quant.k.bits, quant.v.bits))
+        tables_words = 16384 + 64 * pl_entries if pl else lut_words
         smem = 4 * max(tables_words + D * RP + RP + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
         return nwarp, stages, smem
 
