@@ -333,9 +333,9 @@ def markdown(meta, rows) -> str:
     if paired:
         lines += [
             "",
-            f"Paired rounds: FP16 SDPA and each kernel timed again in {len(paired[0][2]['rounds_us'])} interleaved rounds "
-            "(SDPA first in each, median of 5 chained evals each); x FP16 SDPA = the median over rounds of the "
-            "kernel's time / SDPA's in the same round, with the range over rounds.",
+            f"Paired rounds: FP16 SDPA and each kernel timed again in {len(paired[0][2]['rounds_us'])} "
+            "interleaved rounds (SDPA first in each, median of 5 chained evals each); x FP16 SDPA = the "
+            "median over rounds of the kernel's time / SDPA's in the same round, with the range over rounds.",
             "",
             "| shape | context | method | median us | x FP16 SDPA (paired) | range |",
             "|---|---|---|---|---|---|",

@@ -22,7 +22,8 @@ b = src.index("ts_cp_wait<0>();  // the merge below reuses the ring")
 loop = src[a:b]
 
 # Pieces of the current loop body, reused verbatim.
-refill_body = loop[loop.index("  const int ahead = kb + 16 * (STAGES - 1);\n") + len("  const int ahead = kb + 16 * (STAGES - 1);\n") : loop.index("  ts_cp_commit();\n")]
+ahead_line = "  const int ahead = kb + 16 * (STAGES - 1);\n"
+refill_body = loop[loop.index(ahead_line) + len(ahead_line) : loop.index("  ts_cp_commit();\n")]
 score_start = loop.index("  float sc[RN][4], sc2[RN][4];")
 score_end = loop.index("  TS_UNROLL for (int n = 0; n < RN; n++) {\n    TS_UNROLL for (int e = 0; e < 4; e++) sc[n][e] += sc2[n][e];")
 score_body = loop[score_start:score_end].replace("  float sc[RN][4], sc2[RN][4];\n", "")
