@@ -23,7 +23,7 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 
     meta = {}
     for kf in files:
         # FILE%nopl: that file with MMA_PRMT_LOOKUPS off; FILE%w16: MMA_WARPS 16 (non-PL variants);
-        # FILE%w8: PL at 8 warps; FILE%nolb: no __launch_bounds__; FILE@KB: MMA_RING_BYTES KB
+        # FILE%w8: PL at 8 warps; FILE%w12: 12 warps; FILE%nolb: no __launch_bounds__; FILE@KB: MMA_RING_BYTES KB
         name, _, flags = kf.partition("%")
         kf, _, ring = name.partition("@")
         saved = tk.MMA_RING_BYTES, getattr(tk, "MMA_PRMT_LOOKUPS", False), tk.MMA_WARPS, tk._mma_regs
@@ -31,6 +31,7 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 
         if flags == "nopl": tk.MMA_PRMT_LOOKUPS = False
         if flags == "w16": tk.MMA_WARPS = 16
         if flags == "w8": tk._mma_regs = lambda *a: 255  # PL at 8 warps (ptxas may use 255 registers)
+        if flags == "w12": tk.MMA_WARPS = 6  # 12 warps where 16 would be chosen (up to 168 registers)
         c = tk._mma_config_uncached(quant, 4, 1, D, D ** -0.5, False, False, mx.float16)
         sp = tk._mma_splits(c, -(-L // 16), Hkv)
         tk.MMA_RING_BYTES, tk.MMA_PRMT_LOOKUPS, tk.MMA_WARPS, tk._mma_regs = saved
@@ -43,7 +44,7 @@ for preset, kbits, vbits in [p for p in (("tq4", 4, 4), ("tq3", 3, 3), ("k8v4", 
     refo = outs["wrapper"].astype(mx.float32)
     errs = {n: float(mx.abs(o.astype(mx.float32) - refo).max()) for n, o in outs.items() if n != "sdpa"}
     acc = {n: [] for n in fns}
-    for rnd in range(3):
+    for rnd in range(int(os.environ.get("ROUNDS", "3"))):
         for n, f in fns.items():
             acc[n].append(st(f, q0))
     row = dict(preset=preset, L=L, splits=splits, errs=errs, variants=meta)
