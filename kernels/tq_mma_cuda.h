@@ -85,6 +85,11 @@ TS_FUNC uint ts_bitsel(uint a, uint b, uint m) { return ts_lop3<0xD8>(a, b, m); 
 // (a | b) & m
 TS_FUNC uint ts_or_and(uint a, uint b, uint m) { return ts_lop3<0xA8>(a, b, m); }
 
+// Under PL (table entries 256 bytes apart from a 64 KB-aligned window address): the shared
+// address of the entry indexed by byte b of w, in one PRMT: bytes 0, 2, 3 from the lane's
+// column address, byte 1 = the index byte.
+TS_FUNC uint ts_pl_addr(uint w, int b, uint lane_addr) { return __byte_perm(w, lane_addr, 0x7604 | (b << 4)); }
+
 // Words of a code chunk (coordinates [c0, c0 + NC) of one vector of D coordinates at
 // BITS bits): plane 0 in lo, and for 3 bits the high plane in hi.
 template <int BITS, int D, int NC>
@@ -110,12 +115,11 @@ struct TsChunk {
   }
   // Byte offset of coordinate c0 + i's entry; BITS 8.
   TS_FUNC uint single(int i) const { return ts_byte(lo[i / 4], i % 4) << 7; }
-  // Under PL (entries 256 bytes apart from a 64 KB-aligned window address): the shared
-  // address of the entry of code byte b (pair p at 2/3/4 bits, coordinate i at 8), one
-  // PRMT: bytes 0, 2, 3 from the lane's column address, byte 1 = the code byte.
+  // Under PL: the shared address of the entry of code byte b (pair p at 2/3/4 bits,
+  // coordinate i at 8), one PRMT (ts_pl_addr).
   TS_FUNC uint byte_addr(int b, uint lane_addr) const {
-    if (BITS == 2 || BITS == 3) return __byte_perm(ix[2 * (b / 8) + (b % 2)], lane_addr, 0x7604 | (((b % 8) / 2) << 4));
-    return __byte_perm(lo[b / 4], lane_addr, 0x7604 | ((b % 4) << 4));
+    if (BITS == 2 || BITS == 3) return ts_pl_addr(ix[2 * (b / 8) + (b % 2)], (b % 8) / 2, lane_addr);
+    return ts_pl_addr(lo[b / 4], b % 4, lane_addr);
   }
   // Under PL at 2/3 bits: each pair's table index (its plane-0 nibble, its two high-plane
   // bits above) as one byte, so that an address is one PRMT as at 4 bits. Word 2w holds
@@ -195,10 +199,8 @@ TS_FUNC void ts_two_key_bytes(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS,
     od[w] = ts_bitsel(x.lo[w] >> 4, y.lo[w], 0xf0f0f0f0u);
   }
 }
-// The PL table word at byte b of `w` (one PRMT: see TsChunk::byte_addr).
-TS_FUNC uint ts_lut_byte(uint w, int b, uint lane_addr) {
-  return ts_lut_at(0u, __byte_perm(w, lane_addr, 0x7604 | (b << 4)));
-}
+// The PL table word indexed by byte b of w.
+TS_FUNC uint ts_lut_byte(uint w, int b, uint lane_addr) { return ts_lut_at(0u, ts_pl_addr(w, b, lane_addr)); }
 
 // Asynchronous global -> shared copies (sm_80+): a warp streams its next tiles into a
 // ring in shared memory while it works on the current one, so the bytes in flight are
