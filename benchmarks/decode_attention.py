@@ -380,8 +380,8 @@ def markdown(meta, rows) -> str:
             lines.append(
                 f"| {r['shape']} | {r['context']} | {n} | {statistics.median(pr['rounds_us']):.1f} | "
                 f"{pr['vs_fp16_sdpa']:.2f} | {lo:.2f}-{hi:.2f} | "
-                f"{statistics.median(pr['overlapped_rounds_us']):.1f} | {pr['overlapped_vs_fp16_sdpa']:.2f} | "
-                f"{olo:.2f}-{ohi:.2f} |"
+                f"{statistics.median(pr['overlapped_rounds_us']):.1f} | "
+                f"{pr['overlapped_vs_fp16_sdpa']:.2f} | {olo:.2f}-{ohi:.2f} |"
             )
     lines += [
         "",
