@@ -1,5 +1,5 @@
 """WIP, NOT RUN ON A GPU: writes a software-pipelined tq_decode_mma variant next to the probes'
-scratch files (.h200-mlx/scratch/pipe.kernel) from the current kernel file.
+scratch files (.h200-mlx/scratch/pipe.kernel) from session 10's kernel (variant_base.py).
 
 Why: session 10 removed instructions per tile without a measurable change at 128k, and 8 warps
 with more registers were slower than 16, which points at latency per warp. Here each warp keeps
@@ -12,14 +12,12 @@ unrolled by two so the tiles alternate between two register sets without copies.
     # on the H200: correctness (max error vs the wrapper, printed as errs) and speed
     python3 benchmarks/mma_probes/chained_timing.py .h200-mlx/scratch/pipe.kernel
 """
-from pathlib import Path
 
-root = Path(__file__).resolve().parents[2]
-src = (root / "kernels" / "tq_decode_mma.kernel").read_text()
+from variant_base import ROOT as root, base_source, main_loop
 
-a = src.index("int slot = 0, fill = STAGES - 1;")
-b = src.index("ts_cp_wait<0>();  // the merge below reuses the ring")
-loop = src[a:b]
+src = base_source()
+
+a, b, loop = main_loop(src)
 
 # Pieces of the current loop body, reused verbatim.
 ahead_line = "  const int ahead = kb + 16 * (STAGES - 1);\n"

@@ -1,4 +1,4 @@
-"""Session 11 variant kernel files (.h200-mlx/scratch/), made from the current kernel:
+"""Session 11 variant kernel files (.h200-mlx/scratch/), made from session 10's kernel (variant_base.py):
 
 split.kernel: the loop body as a lambda `step(kb, slot, fill, fast)`; whole rounds of STAGES
 tiles whose refills are all 16-byte copies run with constant ring slots (unrolled by STAGES),
@@ -8,13 +8,11 @@ its ~290 instructions, as ptxas rematerializes them at 128 registers.
 
     python benchmarks/mma_probes/s11_variants.py
 """
-from pathlib import Path
 
-root = Path(__file__).resolve().parents[2]
-src = (root / "kernels" / "tq_decode_mma.kernel").read_text()
-a = src.index("int slot = 0, fill = STAGES - 1;")
-b = src.index("ts_cp_wait<0>();  // the merge below reuses the ring")
-loop = src[a:b]
+from variant_base import ROOT as root, base_source, main_loop
+
+src = base_source()
+a, b, loop = main_loop(src)
 head = "for (int kb = kbeg; kb < kend; kb += 16) {\n"
 body = loop[loop.index(head) + len(head) : loop.rindex("}")]
 for old, new in [
