@@ -1,5 +1,7 @@
-"""WIP, NOT RUN ON A GPU: writes a software-pipelined tq_decode_mma variant next to the probes'
-scratch files (.h200-mlx/scratch/pipe.kernel) from session 10's kernel (variant_base.py).
+"""Writes a software-pipelined tq_decode_mma variant next to the probes' scratch files
+(.h200-mlx/scratch/pipe.kernel) from session 10's kernel (variant_base.py). Run on the H200 in
+session 11 (mma_probe_s11_pipe.json, at 12 warps mma_probe_s11_variants.json): outputs equal to
+the wrapper's, speed within noise of the plain loop; not kept.
 
 Why: session 10 removed instructions per tile without a measurable change at 128k, and 8 warps
 with more registers were slower than 16, which points at latency per warp. Here each warp keeps
