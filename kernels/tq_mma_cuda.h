@@ -272,3 +272,49 @@ TS_FUNC void ts_ldcg_floats(const float* src, float* out) {
     TS_UNROLL for (int i = 0; i < N; i++) out[i] = __ldcg(src + i);
   }
 }
+
+// One row's merge of a head's split partials (tq_decode_mma.kernel, after its tickets): o'
+// (QE coordinates at `coords` of each partial, lane*QE.. of the row) with an online
+// softmax over the splits, relative to exp2(*mx); returns the denominator. A batch of SB
+// splits has all its loads in flight at once (lane j < SB: split j's max and sum at `ms`
+// and ms + RP; every lane: its coordinates of each): at 16 splits one L2 round trip, where
+// a pass for the maxima and then the coordinates, 8 splits at a time, took three.
+// Not inlined: inlined, it changed ptxas's register plan of the main loop (spills in the
+// loop over a warp's last tiles, tq4 at 16 warps and 128 registers).
+template <int QE, int SB, int RP, int STRIDE>
+__device__ __noinline__ float ts_merge_splits(const float* coords, const float* ms, int nsplit, int lane, float* o, float* mx_out) {
+  float mx = TS_NEG_INF;  // o and den are relative to exp2(mx)
+  float den = 0.0f;
+  float acc[QE];
+  TS_UNROLL for (int e = 0; e < QE; e++) acc[e] = 0.0f;
+  for (int s0 = 0; s0 < nsplit; s0 += SB) {
+    float mj = TS_NEG_INF;  // a split past the last, or one that saw no key of this row
+    float lj = 0.0f;
+    if (lane < SB && s0 + lane < nsplit) {
+      mj = __ldcg(ms + (size_t)(s0 + lane) * STRIDE);
+      lj = __ldcg(ms + (size_t)(s0 + lane) * STRIDE + RP);
+    }
+    float x[SB][QE];
+    TS_UNROLL for (int j = 0; j < SB; j++) {
+      TS_UNROLL for (int e = 0; e < QE; e++) x[j][e] = 0.0f;
+      if (s0 + j < nsplit) ts_ldcg_floats<QE>(coords + (size_t)(s0 + j) * STRIDE, x[j]);
+    }
+    float mn = mj;
+    TS_UNROLL for (int w = 16; w > 0; w >>= 1) mn = ts_max(mn, __shfl_xor_sync(0xffffffffu, mn, w));
+    mn = ts_max(mn, mx);
+    // No key of this row yet: everything stays 0 (a reference of 0 keeps exp2 off -inf - -inf).
+    const float mref = (mn == TS_NEG_INF) ? 0.0f : mn;
+    const float a = ts_exp2(mx - mref);  // 0 while mx is -inf
+    const float fj = ts_exp2(mj - mref);
+    den = den * a + ts_simd_sum(fj * lj);
+    TS_UNROLL for (int e = 0; e < QE; e++) acc[e] *= a;
+    TS_UNROLL for (int j = 0; j < SB; j++) {
+      const float f = __shfl_sync(0xffffffffu, fj, j);
+      TS_UNROLL for (int e = 0; e < QE; e++) acc[e] += f * x[j][e];
+    }
+    mx = mn;
+  }
+  TS_UNROLL for (int e = 0; e < QE; e++) o[e] = acc[e];
+  *mx_out = mx;
+  return den;
+}

@@ -175,14 +175,13 @@ def test_mma_decode_kernel_matches_ref(case):
 
 
 def test_mma_calls_without_dependency_in_one_eval(monkeypatch):
-    """450 tq_decode_mma calls without a data dependency in one eval (MLX's CUDA graphs run
-    such calls concurrently, up to 100 per graph on sm_90) over a ticket ring of 200 calls,
-    so its regions are reused twice: every output equals the same call evaluated alone, and
-    the ring is back at zero."""
+    """450 tq_decode_mma calls built without a data dependency, in one eval (MLX's CUDA graphs
+    run such nodes concurrently, up to 100 per graph on sm_90): they share one scratch, kept
+    in order by the chain (each takes the last one's output), so every output equals the same
+    call evaluated alone, and the tickets are back at zero."""
     if BACKEND != "cuda":
         pytest.skip("the tensor-core decode kernel runs on CUDA only")
-    monkeypatch.setattr(tq_kernels, "MMA_TICKET_CALLS", 200)
-    monkeypatch.setattr(tq_kernels, "_TICKETS", {})
+    monkeypatch.setattr(tq_kernels, "_MMA_CHAIN", {})
     quant = _quant(4, 4, 128)
     kc, kn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.k)
     vc, vn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.v)
@@ -196,13 +195,13 @@ def test_mma_calls_without_dependency_in_one_eval(monkeypatch):
 
     outs = [call(q) for q in qs]
     mx.eval(outs)
-    ring = tq_kernels._TICKETS[8][0]
-    assert ring.size == 200 * 8
+    scratch = tq_kernels._MMA_CHAIN[mx.float32][0]
     for q, out in zip(qs, outs):
         alone = call(q)
         mx.eval(alone)
         assert mx.array_equal(out, alone).item()
-    assert mx.max(ring).item() == 0
+    assert tq_kernels._MMA_CHAIN[mx.float32][0] is scratch
+    assert mx.max(scratch[: tq_kernels.MMA_TICKET_WORDS]).item() == 0
 
 
 def test_mma_variant_refuses_what_it_cannot_serve():

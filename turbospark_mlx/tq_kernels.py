@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import os
 import struct
 import weakref
 from typing import NamedTuple
@@ -114,29 +113,26 @@ def _step_args(position: int, kv_start: int | mx.array, batch: int) -> list[mx.a
     return [_length_arg(position), _length_arg(0), starts]
 
 
-# Tickets of tq_decode_mma, one uint32 per (b, KV head) and call: consecutive regions of
-# a ring in device memory, handed out in call order; each launch's last blocks leave
-# their words at zero. MLX runs one stream's CUDA graphs in order and puts at most
-# MLX_MAX_OPS_PER_BUFFER ops (100 on sm_90) in one, so only launches that close in call
-# order can run at once; a region comes back after MMA_TICKET_CALLS calls.
-MMA_TICKET_CALLS = max(4096, 4 * int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0") or 0))
-_TICKETS: dict[int, list] = {}  # n words per call -> [ring, its region views, next region]
+# tq_decode_mma's scratch: per (b, KV head) a ticket word, zero between launches (each
+# launch's last blocks leave theirs at zero), then the blocks' partials. One scratch per
+# output dtype serves every launch of that dtype, so no two of them may run at once, and a
+# CUDA graph runs nodes without a data dependency concurrently: each launch takes the last
+# one's output as an input (`after`, never read), a dependency MLX sees and keeps in order.
+# (A partials output instead cost ~1.2 us of host build and ~1.8 of encode per call, session
+# 9; a ring of regions handed out in call order was only as safe as its length.)
+MMA_TICKET_WORDS = 65536  # > B * Hkv, the grid's y (CUDA caps it at 65535)
+_MMA_CHAIN: dict = {}  # output dtype -> [scratch, the last launch's output]
 
 
-def _ticket_arg(n: int) -> mx.array:
-    """n zeroed ticket words that no launch still in flight holds: a view of a ring of
-    MMA_TICKET_CALLS regions. The views are made and evaluated once, with the ring: a
-    slice costs more host time than a call's other inputs together, and an unevaluated
-    one is one more op in every call's eval."""
-    state = _TICKETS.get(n)
-    if state is None or len(state[1]) != MMA_TICKET_CALLS:
-        ring = _resident(mx.zeros((MMA_TICKET_CALLS * n,), mx.uint32))
-        views = [ring[i * n : (i + 1) * n] for i in range(MMA_TICKET_CALLS)]
-        mx.eval(views)
-        state = _TICKETS[n] = [ring, views, 0]
-    ring, views, i = state
-    state[2] = (i + 1) % len(views)
-    return views[i]
+def _mma_chain(dtype: mx.Dtype, part_words: int) -> list:
+    """[scratch, last output] of `dtype`'s launches, the scratch grown to hold part_words
+    of partials (a grown one is zeroed; launches in flight keep the old one alive)."""
+    state = _MMA_CHAIN.get(dtype)
+    if state is None or state[0].size < MMA_TICKET_WORDS + part_words:
+        scratch = _resident(mx.zeros((MMA_TICKET_WORDS + 2 * part_words,), mx.uint32))
+        after = state[1] if state is not None else _resident(mx.zeros((1,), dtype))
+        state = _MMA_CHAIN[dtype] = [scratch, after]
+    return state
 
 
 def _sinks_arg(sinks: mx.array | None) -> mx.array:
@@ -327,32 +323,22 @@ def tq_decode_attention(
     Returns:
         (B, Hq, M, D) in the queries' dtype.
     """
-    B, Hq, M, D = queries.shape
-    Hkv = k_codes.shape[1]
-    G = Hq // Hkv
     if variant not in ("auto", "mma", "dialect"):
         raise ValueError(f"unknown decode kernel variant {variant!r}; valid: auto, mma, dialect")
     if variant != "dialect" and backend == "cuda":
-        prefer = variant == "mma" or (D in MMA_AUTO_HEAD_DIMS and position + M >= MMA_AUTO_MIN_CONTEXT)
-        reason = tq_mma_unsupported(quant, G, M, D) if prefer else "not chosen"
-        if reason is None:
-            return tq_decode_mma(
-                queries,
-                k_codes,
-                k_norms,
-                v_codes,
-                v_norms,
-                quant,
-                scale=scale,
-                position=position,
-                kv_start=kv_start,
-                sinks=sinks,
-                _tiles_per_warp=_tiles_per_warp,
-            )
+        # Every layer's decode step comes here: one cached launch per call shape, so the
+        # Python on the way stays short (session 12: ~3.5 us of a call's ~8.5 us of host
+        # build on the H200 was this wrapper).
+        mma = _mma_launch(quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None)
+        if mma.reason is None and (variant == "mma" or position + mma.rows >= mma.auto_from):
+            return mma(queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, _tiles_per_warp)
         if variant == "mma":
-            raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {reason}")
+            raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {mma.reason}")
     elif variant == "mma":
         raise _backend.KernelUnsupported(f"tensor-core decode runs on CUDA only, not {backend!r}")
+    B, Hq, M, D = queries.shape
+    Hkv = k_codes.shape[1]
+    G = Hq // Hkv
     per = _rows_per_call(quant, G, D, M)
     if per < M:  # too many query rows for one call's threadgroup memory: split them
         return _split_rows(
@@ -539,7 +525,7 @@ class MmaConfig(NamedTuple):
     RP: int  # R rounded up to 8
     nwarp: int
     per_sm: int  # resident blocks per SM (registers, shared memory)
-    tables: list  # K table, V table, Π_K, Π_V
+    tables: list  # [one uint32 array: K table, V table, Π_K, Π_V] (_mma_tables)
     kernel: list  # [the MLX kernel object], filled on the first launch (needs the CUDA backend)
 
 
@@ -586,8 +572,18 @@ def _mma_regs(quant: LayerQuant, head_dim: int, RP: int) -> int:
     return 255
 
 
+def _mma_tables(quant: LayerQuant) -> tuple[mx.array, dict[str, int]]:
+    """The K table, the V table, Π_K and Π_V (float32 bits) as one uint32 array, and the word
+    offsets of the last three (template values): each input of a custom-kernel call costs
+    host time at every step (~0.15 us to build, as much to encode, on the H200 host)."""
+    parts = [_mma_lut(quant.k), _mma_lut(quant.v), _rotation(quant.k)[1], _rotation(quant.v)[1]]
+    at = np.cumsum([0] + [a.size for a in parts[:-1]]).tolist()
+    merged = _resident(mx.concatenate([a.reshape(-1).view(mx.uint32) for a in parts]))
+    return merged, {"VTAB_AT": at[1], "KROT_AT": at[2], "VROT_AT": at[3]}
+
+
 def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype):
-    tables = [_mma_lut(quant.k), _mma_lut(quant.v), _rotation(quant.k)[1], _rotation(quant.v)[1]]
+    tables, offsets = _mma_tables(quant)
     R = group * rows
     RP = 8 if R <= 8 else 16
     D = head_dim
@@ -648,9 +644,11 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("HAS_SINK", has_sink),
         ("VLUT_OFF", vlut_off),
         ("PL", pl),
+        *offsets.items(),
+        ("TICKET_WORDS", MMA_TICKET_WORDS),
         ("OT", out_dtype),
     )
-    return MmaConfig(template, smem, R, RP, nwarp, per_sm, tables, [])
+    return MmaConfig(template, smem, R, RP, nwarp, per_sm, [tables], [])
 
 
 def _mma_splits(cfg: MmaConfig, tiles: int, n_seq_heads: int, tiles_per_warp: int | None = None) -> int:
@@ -728,71 +726,87 @@ def tq_decode_mma(
     relative, far below the 4-bit quantization error it sits on.
 
     This runs once per layer and decode step, so everything but the split count is cached
-    per call shape (host time per call is what bounds short contexts).
+    per call shape (_MmaLaunch).
     """
-    B, Hq, M, _ = queries.shape
-    Hkv = k_codes.shape[1]
-    G = Hq // Hkv
-    per = max(1, MMA_MAX_ROWS // G)
-    if per < M:
-        return _split_rows(
-            tq_decode_mma,
-            per,
-            queries,
-            k_codes,
-            k_norms,
-            v_codes,
-            v_norms,
-            quant,
-            scale=scale,
-            position=position,
-            kv_start=kv_start,
-            sinks=sinks,
-            _tiles_per_warp=_tiles_per_warp,
-        )
-    has_starts = isinstance(kv_start, mx.array)
-    launch = _mma_launch(quant, queries, Hkv, scale, has_starts, sinks is not None)
-    tiles = (position + M + 15) // 16
-    shape = launch.by_tiles.get(tiles) if _tiles_per_warp is None else None
-    if shape is None:
-        shape = launch.shape(tiles, _tiles_per_warp)
-    grid, output_shapes = shape
-    out, _ = launch.kernel(
-        inputs=[
-            queries,
-            k_codes,
-            k_norms,
-            v_codes,
-            v_norms,
-            *launch.tables,  # K table, V table, Π_K, Π_V
-            _sinks_arg(sinks),
-            *_step_args(position, kv_start, B),
-            _ticket_arg(launch.n_seq_heads),
-        ],
-        grid=grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=output_shapes,
-        output_dtypes=launch.output_dtypes,
-    )
-    return out
+    launch = _mma_launch(quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None)
+    if launch.reason is not None:
+        raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {launch.reason}")
+    return launch(queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, _tiles_per_warp)
 
 
 class _MmaLaunch:
     """What a tq_decode_mma call shape (quant, query shape and dtype, KV heads, scale, starts,
     sinks) needs at every step, and its launch shape per 16-key tile count: host time per
-    call is what bounds short contexts, and a decode step repeats one shape per layer."""
+    call is what bounds decode, and a decode step repeats one shape per layer. `reason`: why
+    the kernel cannot serve the shape (then the rest is unset), or None."""
 
     def __init__(self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink):
         B, Hq, M, D = queries.shape
-        self.cfg = _mma_config(quant, Hq // Hkv, M, D, scale, has_starts, has_sink, queries.dtype)
-        self.tables = tuple(self.cfg.tables)
+        G = Hq // Hkv
+        self.reason = tq_mma_unsupported(quant, G, M, D)
+        self.rows = M
+        # The automatic choice (tq_decode_attention) takes this kernel from this many keys on.
+        self.auto_from = MMA_AUTO_MIN_CONTEXT if D in MMA_AUTO_HEAD_DIMS else float("inf")
+        if self.reason is not None:
+            return
+        self.quant, self.scale = quant, scale
+        self.per = max(1, MMA_MAX_ROWS // G)  # query rows one launch takes
+        self.batch = B
         self.n_seq_heads = B * Hkv
-        self.out_shape = (B, Hq, M, D)
-        self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
-        self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
-        self.output_dtypes = [queries.dtype, mx.float32]
         self.by_tiles: dict[int, tuple] = {}
         self._kernel = None
+        if self.per < M:  # launches of `per` rows each (_split_rows), each its own shape
+            return
+        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype)
+        self.tables = self.cfg.tables[0]
+        self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
+        self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
+        self.dtype = queries.dtype
+        self.output_shapes = [(B, Hq, M, D)]
+        self.output_dtypes = [queries.dtype]
+
+    def __call__(self, queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, tiles_per_warp=None):
+        if self.per < self.rows:
+            return _split_rows(
+                tq_decode_mma,
+                self.per,
+                queries,
+                k_codes,
+                k_norms,
+                v_codes,
+                v_norms,
+                self.quant,
+                scale=self.scale,
+                position=position,
+                kv_start=kv_start,
+                sinks=sinks,
+                _tiles_per_warp=tiles_per_warp,
+            )
+        tiles = (position + self.rows + 15) // 16
+        shape = self.by_tiles.get(tiles) if tiles_per_warp is None else None
+        if shape is None:
+            shape = self.shape(tiles, tiles_per_warp)
+        grid, part_words = shape
+        chain = _mma_chain(self.dtype, part_words)
+        out = (self._kernel or self.kernel)(
+            inputs=[
+                queries,
+                k_codes,
+                k_norms,
+                v_codes,
+                v_norms,
+                self.tables,  # K table, V table, Π_K, Π_V
+                _sinks_arg(sinks),
+                *_step_args(position, kv_start, self.batch),
+                *chain,  # scratch, after
+            ],
+            grid=grid,
+            threadgroup=self.threadgroup,
+            output_shapes=self.output_shapes,
+            output_dtypes=self.output_dtypes,
+        )[0]
+        chain[1] = out
+        return out
 
     @property
     def kernel(self):
@@ -803,12 +817,9 @@ class _MmaLaunch:
         return self._kernel
 
     def shape(self, tiles: int, tiles_per_warp: int | None = None) -> tuple:
-        """(grid, output shapes) for this many tiles; kept unless tiles_per_warp is forced."""
+        """(grid, words of partials) for this many tiles; kept unless tiles_per_warp is forced."""
         splits = _mma_splits(self.cfg, tiles, self.n_seq_heads, tiles_per_warp)
-        shape = (
-            (32 * self.cfg.nwarp * splits, self.n_seq_heads, 1),
-            [self.out_shape, (self.n_seq_heads * splits * self.part_words,)],
-        )
+        shape = ((32 * self.cfg.nwarp * splits, self.n_seq_heads, 1), self.n_seq_heads * splits * self.part_words)
         if tiles_per_warp is None:
             if len(self.by_tiles) >= 4096:  # contexts only grow: older counts are done with
                 self.by_tiles.clear()

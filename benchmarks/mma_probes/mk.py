@@ -69,12 +69,14 @@ def make(kfile, cfg, stamps=False, bounds=True):
                                source=body, header=header, shared_memory=cfg.smem)
 
 def call(kern, cfg, splits, q, kc, kn, vc, vn, L, Hkv, stamps=False):
+    """[out, None] (None where sessions <= 11 returned the partials), then the stamps if asked."""
     B, Hq, M, D = q.shape
-    shapes = [(B, Hq, M, D), (B * Hkv * splits * (cfg.R * D + 2 * cfg.RP),)]
-    dts = [q.dtype, mx.float32]
+    shapes, dts = [(B, Hq, M, D)], [q.dtype]
     if stamps:
         shapes.append((B * Hkv * splits * 32,)); dts.append(mx.uint64)
-    return kern(inputs=[q, kc, kn, vc, vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B),
-                        tk._ticket_arg(B * Hkv)],
+    chain = tk._mma_chain(q.dtype, B * Hkv * splits * (cfg.R * D + 2 * cfg.RP))
+    outs = kern(inputs=[q, kc, kn, vc, vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B), *chain],
                 grid=(32 * cfg.nwarp * splits, B * Hkv, 1), threadgroup=(32 * cfg.nwarp, 1, 1),
                 output_shapes=shapes, output_dtypes=dts)
+    chain[1] = outs[0]
+    return [outs[0], None, *outs[1:]]

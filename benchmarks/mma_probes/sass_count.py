@@ -33,8 +33,8 @@ f32, u32, i32 = mx.float32, mx.uint32, mx.int32
 ins = [ArgInfo(mx.float16, 4, 8 * G * M * D), ArgInfo(u32, 4, 8 * 4096 * q.k.words), ArgInfo(f32, 3, 8 * 4096),
        ArgInfo(u32, 4, 8 * 4096 * q.v.words), ArgInfo(f32, 3, 8 * 4096),
        *[ArgInfo(t.dtype, t.ndim, t.size) for t in plan["tables"]],
-       ArgInfo(f32, 1, 8), ArgInfo(mx.uint8, 1, 5000), ArgInfo(mx.uint8, 1, 1), ArgInfo(i32, 1, 8), ArgInfo(u32, 1, 8)]
-src = '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [mx.float16, f32], plan["template"])
+       ArgInfo(f32, 1, 8), ArgInfo(mx.uint8, 1, 5000), ArgInfo(mx.uint8, 1, 1), ArgInfo(i32, 1, 8), ArgInfo(u32, 1, 1 << 17), ArgInfo(mx.float16, 4, 4096)]
+src = '#include "mlx_device.cuh"\n' + cuda_source("tq_decode_mma", ins, [mx.float16], plan["template"])
 if a.kernel:
     src = src.replace((kb.kernels_dir() / "tq_decode_mma.kernel").resolve().as_posix(), Path(a.kernel).resolve().as_posix())
 tmp = Path(tempfile.mkdtemp())
