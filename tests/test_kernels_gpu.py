@@ -159,6 +159,10 @@ MMA_CASES = [
     (2, 32, 8, 1, 128, 3, 3, 4100, [0, 100], False),  # tq3 (PL), per-sequence starts
     (1, 32, 8, 1, 128, 4, 3, 6000, 0, True),  # k4v3: K and V tables side by side (PL), 16 warps
     (1, 32, 8, 1, 128, 8, 4, 20000, 0, False),  # k8v4 (the default preset), llama shape (PL), 8 warps
+    # Chunks taken as warps go (long contexts), with the rest walked slot by slot: from kv_start
+    # to the first whole chunk, and the last keys, which some of the M rows do not see.
+    (1, 32, 8, 3, 128, 4, 4, 30000, 4321, True),
+    (2, 32, 8, 1, 128, 4, 4, 40000, [1000, 33], False),  # per-sequence starts, 8 splits
 ]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 12, device call 4: the mma GPU tests, then this tree (one tables input, leaner
-# wrapper, one-pass split merge) against the last commit's (.h200-mlx/scratch/head) in
+# Session 12, device calls 4-6: the mma GPU tests, then this tree against the last commit
+# (a copy in .h200-mlx/scratch/head) in
 # alternating processes (ab_s12.py), then this tree's phases (phases_s12.py).
 S=.h200-mlx/scratch
 timeout 200 python3 -m pytest -m gpu -q tests/test_kernels_gpu.py -rA -k "mma or decode" 2>&1 | tee $OUT/gpu_mma.log | grep -E "FAIL|Error|passed|failed" | tail -8
