@@ -1,6 +1,7 @@
 # Session 12: where a tq_decode_mma launch's time goes outside its main loop (stamped kernel,
 # mk.py's anchors; thread 0 of each block, i.e. warp 0): per call, median over blocks of each
-# phase, and the phases of the block that finishes last. tq4 and tq3, llama shape, 128k keys.
+# phase, and the phases of the block that finishes last. tq4 and tq3, llama shape, 128k keys
+# (L= another count; KERNEL= another kernel file).
 import json, os, statistics, sys
 from pathlib import Path
 import numpy as np, mlx.core as mx
@@ -20,7 +21,7 @@ for preset, bits in (("tq4", 4), ("tq3", 3)):
     q0, kc, kn, vc, vn, k, v = random_layer(quant, L)
     cfg = tk._mma_config(quant, 4, 1, D, D**-0.5, False, False, mx.float16)
     splits = tk._mma_splits(cfg, -(-L // 16), Hkv)
-    kern = mk.make("kernels/tq_decode_mma.kernel", cfg, stamps=True)
+    kern = mk.make(os.environ.get("KERNEL", "kernels/tq_decode_mma.kernel"), cfg, stamps=True)
     allb, lastb = [], []
     for rep in range(6):
         x, sts = q0, []
@@ -51,4 +52,5 @@ for preset, bits in (("tq4", 4), ("tq3", 3)):
             out["last_block_us"][n_] = round(float(np.median(lc)) / 1e3, 2)
     res[preset] = out
     print(preset, json.dumps(out))
-Path(os.environ.get("OUT", "/tmp"), f"phases_s12_{L}.json").write_text(json.dumps(res, indent=1))
+tag = Path(os.environ.get("KERNEL", "")).stem
+Path(os.environ.get("OUT", "/tmp"), f"phases_s12_{L}{'_' + tag if tag else ''}.json").write_text(json.dumps(res, indent=1))
