@@ -4,6 +4,9 @@
 #   chunks_inc.kernel     as measured: a per-head counter (PTX atom.inc), asked a round ahead
 #   chunks_ahead2.kernel  the same, asked two rounds ahead (three fixed chunks first)
 #   chunks_static.kernel  the same chunk order without a counter: warp gw takes chunks gw + k*W
+#   chunks_tail.kernel    static contiguous ranges over the first 7/8 of the keys, then a pool of
+#                         the last eighth's chunks taken from the counter (its first two asked
+#                         at set-up), so the atomics are few and their latency off the path
 # Writes them into .h200-mlx/scratch/ (or argv[1]); build with mk.make (chained_timing.py FILE).
 import sys
 from pathlib import Path
@@ -117,7 +120,92 @@ STATIC = PRE + """  while (true) {
     c1 += W;
   }
 """
+
+
+def tail() -> str:
+    """chunks_tail: the static scheme over keys [0, SK), then a pool of chunks [PC, cf1)."""
+    s = SRC.read_text()
+    s = sub(s, """const int KEYS_W = 16 * ((end + 16 * NWARP * nsplit - 1) / (16 * NWARP * nsplit));
+const int kbeg = (split * NWARP + warp) * KEYS_W;
+const int kend = (kbeg + KEYS_W < end) ? kbeg + KEYS_W : end;
+""", """constexpr int CK = 16 * STAGES;
+const int W = NWARP * nsplit;
+const int gw = split * NWARP + warp;
+const int cf0 = (start + CK - 1) / CK;
+const int cf1 = (end - M + 1) / CK;
+const bool dyn = (cap * TsChunk<KB, D, KC>::RW) % 4 == 0 && (cap * TsChunk<VB, D, VC>::RW) % 4 == 0 && cap % 4 == 0 &&
+                 ((((size_t)k_codes) | ((size_t)v_codes) | ((size_t)k_norms) | ((size_t)v_norms)) % 16 == 0) &&
+                 cf1 - cf0 >= 16 * W;
+const int PC = dyn ? cf1 - (cf1 - cf0) / 8 : 0;  // the pool: chunks [PC, cf1)
+const int SK = dyn ? PC * CK : end;  // the static ranges cover keys [0, SK)
+const int KEYS_W = 16 * ((SK + 16 * W - 1) / (16 * W));
+const int kbeg = gw * KEYS_W;
+const int kend = (kbeg + KEYS_W < SK) ? kbeg + KEYS_W : SK;
+uint* counter = const_cast<uint*>(scratch) + TICKET_WORDS / 2 + 8 * bh;
+auto take = [&]() {
+  uint got = 0u;
+  asm volatile("{\\n .reg .pred p;\\n setp.eq.u32 p, %1, 0;\\n @p atom.global.inc.u32 %0, [%2], 0x7fffffff;\\n}"
+               : "+r"(got) : "r"(lane), "l"(counter));
+  return got;
+};
+const uint got0 = dyn ? take() : 0u;  // the first two pool chunks, needed after the static range
+const uint got1 = dyn ? take() : 0u;
+""")
+    s = sub(s, "auto step = [&](const int kb, const int slot, const int fill, const bool fast) {\n  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast) {\n",
+            "int klim = kend;\n"
+            "auto step = [&](const int kb, const int slot, const int fill, const bool fast, const bool refill = true) {\n"
+            "  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast && refill) {\n")
+    s = sub(s, "  } else if (ahead < kend) {\n    issue(ahead, fill);\n  }",
+            "  } else if (!fast && ahead < klim) {\n    issue(ahead, fill);\n  }")
+    s = sub(s, "  if (is_last) *ticket = 0u;",
+            "  if (is_last) {\n    *ticket = 0u;\n    const_cast<uint*>(scratch)[TICKET_WORDS / 2 + 8 * bh] = 0u;\n  }")
+    pool = """if (dyn) {
+  if (gw == W - 1 && cf1 * CK < end) {  // the last keys, which some rows do not see: slot by slot
+    klim = end;
+    TS_UNROLL for (int i = 0; i < STAGES - 1; i++) {
+      if (cf1 * CK + 16 * i < end) issue(cf1 * CK + 16 * i, i);
+      ts_cp_commit();
+    }
+    for (int slot = 0, kb = cf1 * CK; kb < end; kb += 16) {
+      step(kb, slot, (slot == 0) ? STAGES - 1 : slot - 1, false);
+      slot = (slot + 1 == STAGES) ? 0 : slot + 1;
+    }
+  }
+  int c0 = PC + (int)__shfl_sync(0xffffffffu, got0, 0);
+  int c1 = PC + (int)__shfl_sync(0xffffffffu, got1, 0);
+  auto aim = [&](const int key) {
+    const size_t a = hbase + key;
+    pk = k_codes + a * KRW + 4 * lane;
+    pv = v_codes + a * VRW + 4 * lane;
+    pn = ((lane < 4) ? k_norms : v_norms) + a + 4 * (lane & 3);
+  };
+  if (c0 < cf1) {
+    TS_UNROLL for (int i = 0; i < STAGES - 1; i++) {
+      issue(c0 * CK + 16 * i, i);
+      ts_cp_commit();
+    }
+    while (true) {
+      const uint got = take();
+      const bool more = c1 < cf1;
+      aim(c0 * CK + 16 * (STAGES - 1));
+      step(c0 * CK, 0, STAGES - 1, true);
+      aim(c1 * CK);
+      TS_UNROLL for (int s = 1; s < STAGES; s++) step(c0 * CK + 16 * s, s, s - 1, true, more);
+      const int next = PC + (int)__shfl_sync(0xffffffffu, got, 0);
+      if (!more) break;
+      c0 = c1;
+      c1 = next;
+    }
+  }
+}
+"""
+    s = sub(s, "ts_cp_wait<0>();  // the merge below reuses the ring", pool + "ts_cp_wait<0>();  // the merge below reuses the ring")
+    return s
+
+
 OUT.mkdir(parents=True, exist_ok=True)
+(OUT / "chunks_tail.kernel").write_text(tail())
+print(OUT / "chunks_tail.kernel")
 for name, ahead, body in (("chunks_inc", 2, INC), ("chunks_ahead2", 3, AHEAD2), ("chunks_static", 2, STATIC)):
     (OUT / f"{name}.kernel").write_text(base(ahead).replace("@DYN@", body))
     print(OUT / f"{name}.kernel")
