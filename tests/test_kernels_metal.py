@@ -400,6 +400,44 @@ def test_per_step_integers_travel_as_array_lengths():
         assert "(void)qpos_shape;" in body and "(void)kv0_shape;" in body
 
 
+def test_automatic_choice_on_cuda(monkeypatch):
+    """On CUDA the automatic choice takes the tensor-core kernel from MMA_AUTO_MIN_CONTEXT keys
+    on at the head dims it serves, and the dialect kernels otherwise, without looking a
+    tensor-core launch up for short contexts (one more lookup per layer and step). Both kernel
+    calls are replaced by recorders (no GPU here)."""
+    monkeypatch.setattr(tq_kernels, "_MMA_CHAIN", {})
+    dialect, mma, lookups = [], [], []
+
+    def fake_launch(op, backend, template, **kw):
+        dialect.append(op)
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    def record(**kw):
+        mma.append(kw)
+        return [mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0])]
+
+    real_lookup = tq_kernels._mma_launch
+
+    def lookup(*a):
+        launch = real_lookup(*a)
+        lookups.append(launch)
+        launch._kernel = record
+        return launch
+
+    monkeypatch.setattr(tq_kernels, "launch", fake_launch)
+    monkeypatch.setattr(tq_kernels, "_mma_launch", lookup)
+    for d, pos, want in ((128, tq_kernels.MMA_AUTO_MIN_CONTEXT - 1, "mma"), (128, 100, "dialect"), (96, 9000, "dialect")):
+        quant = _quant(4, 4, d)
+        q = mx.zeros((1, 32, 1, d), mx.float16)
+        kc = mx.zeros((1, 8, 10_000, quant.k.words), mx.uint32)
+        kn = mx.zeros((1, 8, 10_000), mx.float32)
+        n_dialect, n_mma, n_lookups = len(dialect), len(mma), len(lookups)
+        out = tq_kernels.tq_decode_attention(q, kc, kn, kc, kn, quant, scale=d**-0.5, position=pos, backend="cuda")
+        assert out.shape == (1, 32, 1, d)
+        assert (len(mma) - n_mma, len(dialect) - n_dialect) == ((1, 0) if want == "mma" else (0, 2))
+        assert len(lookups) - n_lookups == (0 if pos + 1 < tq_kernels.MMA_AUTO_MIN_CONTEXT else 1)
+
+
 def test_mma_launch_cache_matches_the_plan(monkeypatch):
     """tq_decode_mma caches each call shape's launch (_MmaLaunch): per step it must still
     launch what mma_plan says for that context (grid from the split count, a scratch with room

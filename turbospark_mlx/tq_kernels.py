@@ -325,18 +325,19 @@ def tq_decode_attention(
     """
     if variant not in ("auto", "mma", "dialect"):
         raise ValueError(f"unknown decode kernel variant {variant!r}; valid: auto, mma, dialect")
-    if variant != "dialect" and backend == "cuda":
+    M = queries.shape[2]
+    if backend == "cuda" and (variant == "mma" or (variant == "auto" and position + M >= MMA_AUTO_MIN_CONTEXT)):
         # Every layer's decode step comes here: one cached launch per call shape, so the
         # Python on the way stays short (session 12: ~3.5 us of a call's ~8.5 us of host
         # build on the H200 was this wrapper).
         mma = _mma_launch(quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None)
-        if mma.reason is None and (variant == "mma" or position + mma.rows >= mma.auto_from):
+        if mma.reason is None and (variant == "mma" or mma.auto):
             return mma(queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, _tiles_per_warp)
         if variant == "mma":
             raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {mma.reason}")
     elif variant == "mma":
         raise _backend.KernelUnsupported(f"tensor-core decode runs on CUDA only, not {backend!r}")
-    B, Hq, M, D = queries.shape
+    B, Hq, _, D = queries.shape
     Hkv = k_codes.shape[1]
     G = Hq // Hkv
     per = _rows_per_call(quant, G, D, M)
@@ -745,8 +746,9 @@ class _MmaLaunch:
         G = Hq // Hkv
         self.reason = tq_mma_unsupported(quant, G, M, D)
         self.rows = M
-        # The automatic choice (tq_decode_attention) takes this kernel from this many keys on.
-        self.auto_from = MMA_AUTO_MIN_CONTEXT if D in MMA_AUTO_HEAD_DIMS else float("inf")
+        # The automatic choice (tq_decode_attention) takes this kernel at this head dim (from
+        # MMA_AUTO_MIN_CONTEXT keys on).
+        self.auto = D in MMA_AUTO_HEAD_DIMS
         if self.reason is not None:
             return
         self.quant, self.scale = quant, scale
