@@ -1,7 +1,7 @@
 # Where a chained call's time goes on the GPU: 20 stamped tq_decode_mma calls in one eval
 # (each call's query is the previous call's output), globaltimer stamps per block; per call
 # the kernel span (first block start to last block end) and the gap to the next call's start.
-import sys, time, json, os, statistics
+import sys, json, os, statistics
 from pathlib import Path
 import numpy as np, mlx.core as mx
 
@@ -28,22 +28,11 @@ for preset, kbits, vbits in (("tq4", 4, 4), ("tq3", 3, 3)):
             kern = mk.make(kf, cfg, stamps=True)
             rows = []
             for rep in range(8):
-                x, sts = q0, []
-                t0 = time.perf_counter()
-                for _ in range(N):
-                    x, _, st = mk.call(kern, cfg, splits, x, kc, kn, vc, vn, L, Hkv, stamps=True)
-                    sts.append(st)
-                t1 = time.perf_counter()
-                mx.eval(x, *sts)
-                mx.synchronize()
-                t2 = time.perf_counter()
-                g = [np.array(s).reshape(-1, 32)[:, :16].astype(np.int64) for s in sts]
-                start = np.array([a[:, 0].min() for a in g])
-                end = np.array([a[:, 10].max() for a in g])
+                build, ev, start, end, g = mk.stamped_chain(kern, cfg, splits, q0, kc, kn, vc, vn, L, Hkv, N)
                 rows.append(
                     dict(
-                        build_us=(t1 - t0) / N * 1e6,
-                        eval_us=(t2 - t1) / N * 1e6,
+                        build_us=build,
+                        eval_us=ev,
                         span_us=float(np.median(end - start)) / 1e3,
                         gap_us=float(np.median(start[1:] - end[:-1])) / 1e3,
                         period_us=float(np.median(np.diff(start))) / 1e3,

@@ -2,9 +2,9 @@
 # kernel, tq4, llama shape, 128k keys): every gap between consecutive calls (graph boundaries
 # show as outliers), GPU time from the first start to the last end, and the eval's wall time,
 # beside the unstamped kernel's build and eval per call in the same process.
-import json, os, statistics, sys, time
+import json, os, statistics, sys
 from pathlib import Path
-import numpy as np, mlx.core as mx
+import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 import mk  # noqa: E402
 from mk import tk
@@ -22,20 +22,8 @@ res = {"L": L}
 for N in (10, 20, 40):
     rows = []
     for rep in range(10):
-        x, sts = q0, []
-        mx.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(N):
-            x, _, s = mk.call(kern, cfg, splits, x, kc, kn, vc, vn, L, Hkv, stamps=True)
-            sts.append(s)
-        t1 = time.perf_counter()
-        mx.eval(x, *sts)
-        mx.synchronize()
-        t2 = time.perf_counter()
-        g = [np.array(s).reshape(-1, 32)[:, :16].astype(np.int64) for s in sts]
-        start = np.array([a[:, 0].min() for a in g])
-        end = np.array([a[:, 10].max() for a in g])
-        rows.append(dict(build=(t1 - t0) / N * 1e6, eval=(t2 - t1) / N * 1e6,
+        build, ev, start, end, _ = mk.stamped_chain(kern, cfg, splits, q0, kc, kn, vc, vn, L, Hkv, N)
+        rows.append(dict(build=build, eval=ev,
                          gpu=(end[-1] - start[0]) / N / 1e3,
                          gaps=[round(float(x) / 1e3, 1) for x in start[1:] - end[:-1]],
                          spans=[round(float(x) / 1e3, 1) for x in end - start]))

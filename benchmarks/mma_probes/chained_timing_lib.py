@@ -15,6 +15,18 @@ def st(fn, x0, n=20, reps=60):
     return statistics.median(b), statistics.median(r)
 
 
+def build_only(fn, x0, n=2000):
+    """Median us per call of building fn's graph node, never evaluated (5 runs of n calls)."""
+    fn(x0)
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(x0)
+        ts.append((time.perf_counter() - t0) / n * 1e6)
+    return round(statistics.median(ts), 2)
+
+
 def random_layer(quant, L: int, Hq: int = 32, Hkv: int = 8, D: int = 128):
     """A query and a layer's cache of L keys with random codes and norms (plus FP16 K/V for
     SDPA), evaluated: (q0, k_codes, k_norms, v_codes, v_norms, k, v)."""

@@ -20,16 +20,50 @@ def sub(s: str, old: str, new: str) -> str:
     return s.replace(old, new)
 
 
+# The C++ both builders insert: the chunk constants, the fast refills' source pointers at a
+# key, and lane 0's take from the counter (PTX atom.inc: an add, ptxas made warp-aggregated,
+# with a shuffle of its result right behind it).
+CHUNKS = """constexpr int CK = 16 * STAGES;  // a chunk: one round of tiles
+const int W = NWARP * nsplit;
+const int gw = split * NWARP + warp;
+const int cf0 = (start + CK - 1) / CK;  // chunks [cf0, cf1): every key seen by every row
+const int cf1 = (end - M + 1) / CK;
+"""
+AIM = """  auto aim = [&](const int key) {
+    const size_t a = hbase + key;
+    pk = k_codes + a * KRW + 4 * lane;
+    pv = v_codes + a * VRW + 4 * lane;
+    pn = ((lane < 4) ? k_norms : v_norms) + a + 4 * (lane & 3);
+  };
+"""
+TAKE = """  auto take = [&]() {
+    uint got = 0u;
+    asm volatile("{\\n .reg .pred p;\\n setp.eq.u32 p, %1, 0;\\n @p atom.global.inc.u32 %0, [%2], 0x7fffffff;\\n}"
+                 : "+r"(got) : "r"(lane), "l"(counter));
+    return got;
+  };
+"""
+
+
+def step_and_reset(s: str) -> str:
+    """The edits every variant shares: `step` takes a refill flag and bounds its slot-by-slot
+    refills by `klim` (a rest's end), and the last block also zeroes the chunk counter."""
+    s = sub(s, "auto step = [&](const int kb, const int slot, const int fill, const bool fast) {\n  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast) {\n",
+            "int klim = kend;\n"
+            "auto step = [&](const int kb, const int slot, const int fill, const bool fast, const bool refill = true) {\n"
+            "  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast && refill) {\n")
+    s = sub(s, "  } else if (ahead < kend) {\n    issue(ahead, fill);\n  }",
+            "  } else if (!fast && ahead < klim) {\n    issue(ahead, fill);\n  }")
+    s = sub(s, "  if (is_last) *ticket = 0u;",
+            "  if (is_last) {\n    *ticket = 0u;\n    const_cast<uint*>(scratch)[TICKET_WORDS / 2 + 8 * bh] = 0u;\n  }")
+    return s
+
+
 def base(ahead: int) -> str:
     """The kernel with chunked long contexts; `ahead` fixed chunks per warp before the counter."""
     s = SRC.read_text()
     s = sub(s, "const int kend = (kbeg + KEYS_W < end) ? kbeg + KEYS_W : end;\n",
-            "const int kend = (kbeg + KEYS_W < end) ? kbeg + KEYS_W : end;\n"
-            "constexpr int CK = 16 * STAGES;\n"
-            "const int W = NWARP * nsplit;\n"
-            "const int gw = split * NWARP + warp;\n"
-            "const int cf0 = (start + CK - 1) / CK;\n"
-            "const int cf1 = (end - M + 1) / CK;\n")
+            "const int kend = (kbeg + KEYS_W < end) ? kbeg + KEYS_W : end;\n" + CHUNKS)
     s = sub(s, "TS_UNROLL for (int i = 0; i < STAGES - 1; i++) {\n  if (kbeg + 16 * i < kend) issue(kbeg + 16 * i, i);\n  ts_cp_commit();\n}",
             f"const bool dyn = vec16 && cf1 - cf0 >= {ahead} * W;\n"
             "int r0 = kbeg, r1 = kend;\n"
@@ -38,18 +72,11 @@ def base(ahead: int) -> str:
             "  r1 = (gw == W - 1) ? end : (gw == W - 2) ? cf0 * CK : r0 + CK;\n"
             "}\n"
             "TS_UNROLL for (int i = 0; i < STAGES - 1; i++) {\n  if (r0 + 16 * i < r1) issue(r0 + 16 * i, i);\n  ts_cp_commit();\n}")
-    s = sub(s, "auto step = [&](const int kb, const int slot, const int fill, const bool fast) {\n  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast) {\n",
-            "int klim = kend;\n"
-            "auto step = [&](const int kb, const int slot, const int fill, const bool fast, const bool refill = true) {\n"
-            "  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast && refill) {\n")
-    s = sub(s, "  } else if (ahead < kend) {\n    issue(ahead, fill);\n  }",
-            "  } else if (!fast && ahead < klim) {\n    issue(ahead, fill);\n  }")
+    s = step_and_reset(s)
     a = s.index("int kb = kbeg;\nif (vec16 && kbeg >= start) {")
     b = s.index("ts_cp_wait<0>();  // the merge below reuses the ring")
     static = s[a:b]
     s = s[:a] + "if (!dyn) {\n" + static + "} else {\n@DYN@}\n" + s[b:]
-    s = sub(s, "  if (is_last) *ticket = 0u;",
-            "  if (is_last) {\n    *ticket = 0u;\n    const_cast<uint*>(scratch)[TICKET_WORDS / 2 + 8 * bh] = 0u;\n  }")
     return s
 
 
@@ -67,19 +94,7 @@ PRE = """  int c0 = cf0 + gw;
     }
   }
   uint* counter = const_cast<uint*>(scratch) + TICKET_WORDS / 2 + 8 * bh;
-  auto aim = [&](const int key) {
-    const size_t a = hbase + key;
-    pk = k_codes + a * KRW + 4 * lane;
-    pv = v_codes + a * VRW + 4 * lane;
-    pn = ((lane < 4) ? k_norms : v_norms) + a + 4 * (lane & 3);
-  };
-  auto take = [&]() {
-    uint got = 0u;
-    asm volatile("{\\n .reg .pred p;\\n setp.eq.u32 p, %1, 0;\\n @p atom.global.inc.u32 %0, [%2], 0x7fffffff;\\n}"
-                 : "+r"(got) : "r"(lane), "l"(counter));
-    return got;
-  };
-  (void)take;
+""" + AIM + TAKE + """  (void)take;
   auto round = [&](const bool more) {
     aim(c0 * CK + 16 * (STAGES - 1));
     step(c0 * CK, 0, STAGES - 1, true);
@@ -128,12 +143,7 @@ def tail() -> str:
     s = sub(s, """const int KEYS_W = 16 * ((end + 16 * NWARP * nsplit - 1) / (16 * NWARP * nsplit));
 const int kbeg = (split * NWARP + warp) * KEYS_W;
 const int kend = (kbeg + KEYS_W < end) ? kbeg + KEYS_W : end;
-""", """constexpr int CK = 16 * STAGES;
-const int W = NWARP * nsplit;
-const int gw = split * NWARP + warp;
-const int cf0 = (start + CK - 1) / CK;
-const int cf1 = (end - M + 1) / CK;
-const bool dyn = (cap * TsChunk<KB, D, KC>::RW) % 4 == 0 && (cap * TsChunk<VB, D, VC>::RW) % 4 == 0 && cap % 4 == 0 &&
+""", CHUNKS + """const bool dyn = (cap * TsChunk<KB, D, KC>::RW) % 4 == 0 && (cap * TsChunk<VB, D, VC>::RW) % 4 == 0 && cap % 4 == 0 &&
                  ((((size_t)k_codes) | ((size_t)v_codes) | ((size_t)k_norms) | ((size_t)v_norms)) % 16 == 0) &&
                  cf1 - cf0 >= 16 * W;
 const int PC = dyn ? cf1 - (cf1 - cf0) / 8 : 0;  // the pool: chunks [PC, cf1)
@@ -142,23 +152,10 @@ const int KEYS_W = 16 * ((SK + 16 * W - 1) / (16 * W));
 const int kbeg = gw * KEYS_W;
 const int kend = (kbeg + KEYS_W < SK) ? kbeg + KEYS_W : SK;
 uint* counter = const_cast<uint*>(scratch) + TICKET_WORDS / 2 + 8 * bh;
-auto take = [&]() {
-  uint got = 0u;
-  asm volatile("{\\n .reg .pred p;\\n setp.eq.u32 p, %1, 0;\\n @p atom.global.inc.u32 %0, [%2], 0x7fffffff;\\n}"
-               : "+r"(got) : "r"(lane), "l"(counter));
-  return got;
-};
-const uint got0 = dyn ? take() : 0u;  // the first two pool chunks, needed after the static range
+""" + TAKE + """const uint got0 = dyn ? take() : 0u;  // the first two pool chunks, needed after the static range
 const uint got1 = dyn ? take() : 0u;
 """)
-    s = sub(s, "auto step = [&](const int kb, const int slot, const int fill, const bool fast) {\n  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast) {\n",
-            "int klim = kend;\n"
-            "auto step = [&](const int kb, const int slot, const int fill, const bool fast, const bool refill = true) {\n"
-            "  const int ahead = kb + 16 * (STAGES - 1);\n  if (fast && refill) {\n")
-    s = sub(s, "  } else if (ahead < kend) {\n    issue(ahead, fill);\n  }",
-            "  } else if (!fast && ahead < klim) {\n    issue(ahead, fill);\n  }")
-    s = sub(s, "  if (is_last) *ticket = 0u;",
-            "  if (is_last) {\n    *ticket = 0u;\n    const_cast<uint*>(scratch)[TICKET_WORDS / 2 + 8 * bh] = 0u;\n  }")
+    s = step_and_reset(s)
     pool = """if (dyn) {
   if (gw == W - 1 && cf1 * CK < end) {  // the last keys, which some rows do not see: slot by slot
     klim = end;
@@ -173,13 +170,7 @@ const uint got1 = dyn ? take() : 0u;
   }
   int c0 = PC + (int)__shfl_sync(0xffffffffu, got0, 0);
   int c1 = PC + (int)__shfl_sync(0xffffffffu, got1, 0);
-  auto aim = [&](const int key) {
-    const size_t a = hbase + key;
-    pk = k_codes + a * KRW + 4 * lane;
-    pv = v_codes + a * VRW + 4 * lane;
-    pn = ((lane < 4) ? k_norms : v_norms) + a + 4 * (lane & 3);
-  };
-  if (c0 < cf1) {
+""" + AIM + """  if (c0 < cf1) {
     TS_UNROLL for (int i = 0; i < STAGES - 1; i++) {
       issue(c0 * CK + 16 * i, i);
       ts_cp_commit();

@@ -2,25 +2,14 @@
 # 20 chained calls whose GPU work is negligible, by number of inputs and outputs, shape
 # arguments and source length, a precompiled (PTX) launch, a plain mx op, SDPA, and
 # tq_decode_mma's own call. Writes $OUT/host_cost.json.
-import glob, json, os, statistics, sys, tempfile, time
+import glob, json, os, sys, tempfile
 from pathlib import Path
 import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
 import mk  # noqa: E402
 from mk import tk
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
-from chained_timing_lib import random_layer, st  # noqa: E402
-
-
-def build_only(fn, x0, n=2000):
-    fn(x0)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn(x0)
-        ts.append((time.perf_counter() - t0) / n * 1e6)
-    return round(statistics.median(ts), 2)
+from chained_timing_lib import build_only, random_layer, st  # noqa: E402
 
 
 def chained(fn, x0):

@@ -3,28 +3,17 @@
 # benchmark's path against FP16 SDPA. Variants of the direct kernel call (precomputed inputs):
 # all 14 inputs and 2 outputs; 11 inputs (the four tables as one); 1 output; both.
 # Writes $OUT/host_s12.json.
-import json, os, statistics, sys, time
+import json, os, sys
 from pathlib import Path
 import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
-from chained_timing_lib import random_layer, st  # noqa: E402
+from chained_timing_lib import build_only, random_layer, st  # noqa: E402
 import turbospark_mlx.tq_kernels as tk
 import turbospark_mlx.kernel_build as kb
 from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
 
 D, Hq, Hkv, L = 128, 32, 8, 131072
 res = {}
-
-
-def build_only(fn, x0, n=2000):
-    fn(x0)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn(x0)
-        ts.append((time.perf_counter() - t0) / n * 1e6)
-    return round(statistics.median(ts), 2)
 
 
 quant = LayerQuant(0, side_quant(4, D, "auto", 0, 0, "k"), side_quant(4, D, "auto", 0, 0, "v"))

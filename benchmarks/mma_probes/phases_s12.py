@@ -2,7 +2,7 @@
 # mk.py's anchors; thread 0 of each block, i.e. warp 0): per call, median over blocks of each
 # phase, and the phases of the block that finishes last. tq4 and tq3, llama shape, 128k keys
 # (L= another count; KERNEL= another kernel file).
-import json, os, statistics, sys
+import json, os, sys
 from pathlib import Path
 import numpy as np, mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent))
@@ -24,17 +24,12 @@ for preset, bits in (("tq4", 4), ("tq3", 3)):
     kern = mk.make(os.environ.get("KERNEL", "kernels/tq_decode_mma.kernel"), cfg, stamps=True)
     allb, lastb = [], []
     for rep in range(6):
-        x, sts = q0, []
-        for _ in range(N):
-            x, _, s = mk.call(kern, cfg, splits, x, kc, kn, vc, vn, L, Hkv, stamps=True)
-            sts.append(s)
-        mx.eval(x, *sts)
+        _, _, _, _, g = mk.stamped_chain(kern, cfg, splits, q0, kc, kn, vc, vn, L, Hkv, N)
         if rep < 2:
             continue
-        for s in sts:
-            a = np.array(s).reshape(-1, 32)[:, :11].astype(np.int64)
-            t0 = a[:, 0].min()
-            rel = np.where(a > 0, a - t0, -1)  # -1: stamp absent (a block that is not last)
+        for a in g:
+            a = a[:, :11]
+            rel = np.where(a > 0, a - a[:, 0].min(), -1)  # -1: stamp absent (a block that is not last)
             allb.append(rel)
             lastb.append(rel[np.argmax(a[:, 10])])
     allb = np.concatenate(allb)
