@@ -279,9 +279,9 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
     plan = _mma_plan_of(kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt)
     ins = [
         ArgInfo(qdt, 4, 8 * g * m * d),
-        ArgInfo(u32, 4, 8 * 4096 * q.k.words),
+        ArgInfo(mx.uint8, 4, 8 * 4096 * 4 * q.k.words),  # the codes' words as bytes
         ArgInfo(f32, 3, 8 * 4096),
-        ArgInfo(u32, 4, 8 * 4096 * q.v.words),
+        ArgInfo(mx.uint8, 4, 8 * 4096 * 4 * q.v.words),
         ArgInfo(f32, 3, 8 * 4096),
         *[ArgInfo(a.dtype, a.ndim, a.size) for a in plan["tables"]],
         ArgInfo(f32, 1, 8),
@@ -481,6 +481,9 @@ def test_mma_launch_cache_matches_the_plan(monkeypatch):
         assert args["scratch"].size >= tq_kernels.MMA_TICKET_WORDS + parts
         assert args["qpos"].shape == (pos + 1,) and args["kv0"].shape == (start + 1,)
         assert args["tables"] is launch.tables  # the layer's four tables, one input made once
+        # The codes go as bytes, so MLX sizes its CUDA graphs by what the kernel reads.
+        for name in ("k_bytes", "v_bytes"):
+            assert args[name].dtype == mx.uint8 and args[name].shape == (1, 8, 70_000, 4 * quant.k.words)
     assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False) is launch
     assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, True, False) is not launch
 

@@ -93,9 +93,9 @@ SPECS: dict[str, KernelSpec] = {
             "tq_decode_mma",
             (
                 "q",
-                "k_codes",
+                "k_bytes",
                 "k_norms",
-                "v_codes",
+                "v_bytes",
                 "v_norms",
                 "tables",
                 "sinks",

@@ -793,9 +793,12 @@ class _MmaLaunch:
         out = (self._kernel or self.kernel)(
             inputs=[
                 queries,
-                k_codes,
+                # The codes as bytes: MLX CUDA puts kernels in one CUDA graph until their inputs
+                # pass ~1000 M *elements*, and launches nothing before; counted as uint32 words,
+                # 20 calls at 128k keys made one graph whose whole host encode the GPU waited for.
+                k_codes.view(mx.uint8),
                 k_norms,
-                v_codes,
+                v_codes.view(mx.uint8),
                 v_norms,
                 self.tables,  # K table, V table, Π_K, Π_V
                 _sinks_arg(sinks),
