@@ -298,10 +298,11 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
     """The tensor-core kernel (inline PTX: mma.sync, movmatrix) compiled for sm_90a by nvcc, as
     NVRTC compiles it on the GPU (the CPU shim cannot check PTX). At the benchmark's llama
     shape (tq4, D 128, 4 query heads per KV head; 16 warps, 128 registers) ptxas may spill at
-    most four words: values live across the main loop, stored once in the set-up and loaded
-    after the loop or once per tile of the loop over a warp's last tiles (16 bytes in session
-    12's SASS, none inside the main loop); a loop that no longer fits shows as more (the
-    pipelined probe variant: 24 bytes)."""
+    most five words: values live across the main loop, stored once in the set-up and loaded
+    after the loop, once per tile of the loop over a warp's last tiles, or (one of them, since
+    the first tiles are issued after q', session 13) once per round of the main loop (20 bytes
+    in session 13's SASS); a loop that no longer fits shows as more (the pipelined probe
+    variant: 24 bytes at session 11's set-up)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("needs nvcc (the CUDA toolkit) to compile the CUDA-only kernel")
@@ -324,7 +325,7 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
         regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
         assert regs * 32 * nwarp <= 65536, (sample, regs, nwarp)
     spilled = int(re.search(r"(\d+) bytes spill stores", results[0].stderr).group(1))
-    assert spilled <= 16, results[0].stderr[-2000:]
+    assert spilled <= 20, results[0].stderr[-2000:]
 
 
 def test_mma_launches_share_a_scratch_in_order(monkeypatch):

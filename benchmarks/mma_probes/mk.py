@@ -75,7 +75,8 @@ def call(kern, cfg, splits, q, kc, kn, vc, vn, L, Hkv, stamps=False):
     if stamps:
         shapes.append((B * Hkv * splits * 32,)); dts.append(mx.uint64)
     chain = tk._mma_chain(q.dtype, B * Hkv * splits * (cfg.R * D + 2 * cfg.RP))
-    outs = kern(inputs=[q, kc, kn, vc, vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B), *chain],
+    # The codes as bytes, as tq_kernels._MmaLaunch passes them (session 13).
+    outs = kern(inputs=[q, kc.view(mx.uint8), kn, vc.view(mx.uint8), vn, *cfg.tables, tk._sinks_arg(None), *tk._step_args(L - M, 0, B), *chain],
                 grid=(32 * cfg.nwarp * splits, B * Hkv, 1), threadgroup=(32 * cfg.nwarp, 1, 1),
                 output_shapes=shapes, output_dtypes=dts)
     chain[1] = outs[0]

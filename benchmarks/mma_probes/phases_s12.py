@@ -14,7 +14,9 @@ from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
 D, Hq, Hkv, N = 128, 32, 8, 20
 L = int(os.environ.get("L", "131072"))
 NAMES = {0: "start", 1: "tables", 2: "q'", 3: "qfrag", 4: "loop0", 5: "loop_end", 6: "partial_written",
-         7: "ticket", 8: "ml_pass", 9: "o_pass", 10: "end"}
+         7: "ticket", 8: "ml_pass", 9: "o_pass", 10: "end",
+         # stamps a kernel file may carry by hand (session 13: finesetup.kernel)
+         11: "s11", 12: "s12", 13: "s13", 14: "s14", 15: "s15"}
 res = {}
 for preset, bits in (("tq4", 4), ("tq3", 3)):
     quant = LayerQuant(0, side_quant(bits, D, "auto", 0, 0, "k"), side_quant(bits, D, "auto", 0, 0, "v"))
@@ -28,7 +30,7 @@ for preset, bits in (("tq4", 4), ("tq3", 3)):
         if rep < 2:
             continue
         for a in g:
-            a = a[:, :11]
+            a = a[:, :16]
             rel = np.where(a > 0, a - a[:, 0].min(), -1)  # -1: stamp absent (a block that is not last)
             allb.append(rel)
             lastb.append(rel[np.argmax(a[:, 10])])
