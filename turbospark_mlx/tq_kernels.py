@@ -613,7 +613,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         # (a 3-bit table is stored four times over under PL: 256 entries, see the kernel)
         pl_entries = max(256 if b == 3 else _lut_entries(b) for b in (quant.k.bits, quant.v.bits))
         tables_words = 16384 + 64 * pl_entries if pl else lut_words
-        smem = 4 * max(tables_words + D * RP + RP + 32 + ring_words, nwarp * (RP * (D + 12) + 2 * RP))
+        smem = 4 * max(tables_words + D * RP + RP + 32 + ring_words, nwarp * (R * (D + 12) + 2 * RP))
         return nwarp, stages, smem
 
     pl = MMA_PRMT_LOOKUPS
