@@ -607,9 +607,9 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         stages = max(2, min(MMA_MAX_STAGES, MMA_RING_BYTES // (4 * nwarp * tile_words)))
         ring_words = nwarp * stages * tile_words
         # Set-up and main loop: tables, q', row factors, rings (128-byte aligned: up to 32 words
-        # skipped); then the warps' merge buffers
-        # (rows padded to D + 12 words: WS in the kernel), which reuse the same memory. Under
-        # PL: 64 KB below the table (whatever the window's base), the table, then q', rows, rings.
+        # skipped); then the warps' merge buffers (R rows padded to D + 12 words: WS in the
+        # kernel), which reuse the same memory. Under PL: 64 KB below the table (whatever the
+        # window's base; the merge buffers go there when they fit), the table, then q', rows, rings.
         # (a 3-bit table is stored four times over under PL: 256 entries, see the kernel)
         pl_entries = max(256 if b == 3 else _lut_entries(b) for b in (quant.k.bits, quant.v.bits))
         tables_words = 16384 + 64 * pl_entries if pl else lut_words
