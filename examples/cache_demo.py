@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 
 import turbospark_mlx as ts
-from turbospark_mlx.attention import fp16_attention_ref
+from turbospark_mlx.quant.reference import fp16_attention_ref
 
 
 def synthetic_kv(B: int, H: int, L: int, D: int) -> tuple[mx.array, mx.array]:
@@ -46,7 +46,7 @@ def main() -> None:
     print(f"{args.layers} layers x {H} KV heads x head_dim {D}, {L} tokens, B={B}")
     print(f"{'preset':<7} {'KV bytes':>12} {'vs fp16':>8} {'bytes/token/head':>17} {'attn rel err':>13} {'fill s':>7}")
     for name, preset in ts.PRESETS.items():
-        cache = ts.KvCacheManager(specs, preset, max_rows=args.chunk, step=L)
+        cache = ts.KVCacheManager(specs, preset, max_rows=args.chunk, step=L)
         t0 = time.perf_counter()
         for i, (k, v) in enumerate(data):
             for s in range(0, L, args.chunk):

@@ -1,6 +1,6 @@
 // CUDA-only helpers of tq_decode_mma.kernel (tensor-core TurboQuant decode attention).
 // Appended to prelude_cuda.h + tq_common.h. Why a CUDA-only variant: on the H200 the
-// dialect kernel spent ~2k lane instructions per key and head on scalar FMAs and
+// dialect kernel spends ~2k lane instructions per key and head on scalar FMAs and
 // shared-memory codebook loads; here the products run on mma.sync (fp16 in, fp32
 // accumulate) and a code pair costs one shift, one mask and one conflict-free load.
 #pragma once
@@ -64,7 +64,7 @@ TS_FUNC uint ts_field128(uint w, int shift, uint mask) {
   return (shift >= 7 ? (w >> (shift - 7)) : (w << (7 - shift))) & (mask << 7);
 }
 // A table word at byte offset `off` from `lut`, a 32-bit shared-window address: so the
-// address is one LEA / IADD from the code bits (a generic pointer cost ptxas two IMADs).
+// address is one LEA / IADD from the code bits (a generic pointer costs two IMADs).
 // Not volatile: the tables are written once, before the set-up's barriers.
 TS_FUNC uint ts_lut_at(uint lut, uint off) {
   uint v;
@@ -73,7 +73,7 @@ TS_FUNC uint ts_lut_at(uint lut, uint off) {
 }
 
 // One LOP3 of truth table LUT (PTX lop3: a = 0xF0, b = 0xCC, c = 0xAA). Written as C,
-// ptxas masked each side of these on its own, one more operation each.
+// each side of these gets its own mask from ptxas, one more operation each.
 template <int LUT>
 TS_FUNC uint ts_lop3(uint a, uint b, uint c) {
   uint d;
@@ -190,7 +190,7 @@ TS_FUNC void ts_two_key_pair(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, 
 // coordinate (x's code in the low nibble, y's in the high), so that one lookup in the
 // pair table gives (x[c], y[c]) as a half2, the A fragment, with no PRMT to pair two
 // lookups. ev[w] byte j: coordinate c0 + 8w + 2j; od[w]: c0 + 8w + 2j + 1. Two operations
-// per word each, where pairing after the lookups took one PRMT per half2.
+// per word each, where pairing after the lookups costs one PRMT per half2.
 // (Templated on BITS so that other variants compile the call they never make; 4 bits only.)
 template <int BITS, int D, int NC>
 TS_FUNC void ts_two_key_bytes(const TsChunk<BITS, D, NC>& x, const TsChunk<BITS, D, NC>& y, uint* ev, uint* od) {
@@ -278,8 +278,8 @@ TS_FUNC void ts_ldcg_floats(const float* src, float* out) {
 // softmax over the splits, relative to exp2(*mx); returns the denominator. A batch of SB
 // splits has all its loads in flight at once (lane j < SB: split j's max and sum at `ms`
 // and ms + RP; every lane: its coordinates of each): at 16 splits one L2 round trip, where
-// a pass for the maxima and then the coordinates, 8 splits at a time, took three.
-// Not inlined: inlined, it changed ptxas's register plan of the main loop (spills in the
+// a pass for the maxima and then the coordinates, 8 splits at a time, takes three.
+// Not inlined: inlined, it changes ptxas's register plan of the main loop (spills in the
 // loop over a warp's last tiles, tq4 at 16 warps and 128 registers).
 template <int QE, int SB, int RP, int STRIDE>
 __device__ __noinline__ float ts_merge_splits(const float* coords, const float* ms, int nsplit, int lane, float* o, float* mx_out) {

@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 
-from turbospark_mlx import KvCacheManager, LayerSpec
+from turbospark_mlx import KVCacheManager
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +15,7 @@ def random_kv(B, H, L, D, dtype=mx.float16, scale=1.0):
     return k, v
 
 
-def committed_state(cache: KvCacheManager) -> dict:
+def committed_state(cache: KVCacheManager) -> dict:
     """Everything visible in a cache: per layer the offset and the committed rows."""
     out = {"offset": cache.offset}
     for i in range(cache.n_layers):

@@ -1,4 +1,4 @@
-"""KvCacheManager: layout, chunked writes, bytes, trim, save/load and bad input."""
+"""KVCacheManager: layout, chunked writes, bytes, trim, save/load and bad input."""
 
 import copy
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_same_state, committed_state, random_kv
 from turbospark_mlx import (
     PRESETS,
-    KvCacheManager,
+    KVCacheManager,
     LayerSpec,
     TurboQuantConfig,
     attention_any,
@@ -23,7 +23,7 @@ SPECS = [LayerSpec(2, 128), LayerSpec(2, 128, window=16), LayerSpec(2, 96), Laye
 
 def make(kv="tq4", **kw):
     kw.setdefault("max_rows", 64)
-    return KvCacheManager(SPECS, kv, **kw)
+    return KVCacheManager(SPECS, kv, **kw)
 
 
 def write_all(cache, k, v, chunk):
@@ -128,7 +128,7 @@ def test_save_load_roundtrip_bit_exact(tmp_path):
     cache = make("k8v3", batch_size=2)
     write_all(cache, k, v, 11)
     path = cache.save(str(tmp_path / "kv"))
-    loaded = KvCacheManager.from_file(path)
+    loaded = KVCacheManager.from_file(path)
     assert loaded.config == cache.config and loaded.specs == cache.specs
     assert_same_state(committed_state(cache), committed_state(loaded))
     for i in (0, 1, 2):
@@ -210,12 +210,12 @@ def test_other_bad_writes(filled):
     with pytest.raises(ValueError, match="owns no storage"):
         store_kv(filled, 3, 24, row[..., :96], row[..., :96])
     with pytest.raises(ValueError, match="max_context"):
-        big = KvCacheManager([LayerSpec(2, 128)], "tq4", batch_size=2, max_context=24)
+        big = KVCacheManager([LayerSpec(2, 128)], "tq4", batch_size=2, max_context=24)
         store_kv(big, 0, 0, mx.zeros((2, 2, 25, 128)), mx.zeros((2, 2, 25, 128)))
     with pytest.raises(ValueError, match="without matching V rows"):
         kv_write_target(filled, "k", 0, 24).write(row)
         commit_kv(filled, 0, 24, 1)
-    with pytest.raises(ValueError, match="half"):
+    with pytest.raises(ValueError, match="side"):
         kv_write_target(filled, "q", 0, 24)
     filled.stage.pending.clear()
     assert_same_state(before, committed_state(filled))
@@ -245,11 +245,11 @@ def test_bad_presets_and_layouts():
     with pytest.raises(ValueError, match="not supported"):
         TurboQuantConfig("x", 16, 4)
     with pytest.raises(ValueError, match="sliding-window"):
-        KvCacheManager(SPECS, TurboQuantConfig("x", 4, 4, quantize_layers=(0, 1)))
+        KVCacheManager(SPECS, TurboQuantConfig("x", 4, 4, quantize_layers=(0, 1)))
     with pytest.raises(ValueError, match="owner must be an earlier layer"):
-        KvCacheManager([LayerSpec(2, 64, shared_from=1), LayerSpec(2, 64)])
+        KVCacheManager([LayerSpec(2, 64, shared_from=1), LayerSpec(2, 64)])
     with pytest.raises(ValueError, match="head_dim must be at least 8"):
-        KvCacheManager([LayerSpec(2, 4)], "tq4")
+        KVCacheManager([LayerSpec(2, 4)], "tq4")
 
 
 def _damaged(path, tmp_path, how):

@@ -9,13 +9,13 @@ MXFP4 and GGUF loading, long generation and bad input.
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
+
 import pytest
 from families import CONFIGS, FAMILIES, LONG_CONFIGS, greedy, modules, pair
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from turbospark_mlx import KvCacheManager, make_cache
+from turbospark_mlx import make_cache
 from turbospark_mlx.quant.config import PRESETS, TurboQuantConfig
 
 # Our K/V live in float16 (mlx-lm's stay in the float32 of these tiny models):
@@ -119,7 +119,7 @@ def test_gemma4_shared_layers_own_no_storage_and_k_eq_v_has_no_v_proj():
     ) == (2, 32)
     cache = make_cache(model, "tq4")
     model(_tokens(), cache=cache)
-    assert set(cache._layers) == {0, 1, 2, 3}  # shared layers have no storage entry at all
+    assert set(cache.owned_layers()) == {0, 1, 2, 3}  # shared layers have no storage entry at all
     assert sum(cache.layer_nbytes(i) for i in range(4)) == cache.nbytes
     assert "v_proj" not in model.layers[2].self_attn and "v_proj" in model.layers[0].self_attn
     assert "k_proj" not in model.layers[4].self_attn
@@ -201,8 +201,8 @@ def test_gpt_oss_mxfp4_checkpoint_loads_and_matches_mlx_lm(tmp_path):
 
 
 def test_gemma3_loads_from_gguf(tmp_path):
-    """A gemma3 GGUF written the way convert_hf_to_gguf.py does loads through turbospark_mlx.load."""
-    from turbospark_mlx.load import GGUF_ARCHITECTURES, load_gguf_model
+    """A gemma3 GGUF written the way convert_hf_to_gguf.py does loads through turbospark_mlx.loading."""
+    from turbospark_mlx.loading import GGUF_ARCHITECTURES, load_gguf_model
 
     tensor_map = GGUF_ARCHITECTURES["gemma3"].tensors
     config = {**CONFIGS["gemma3_text"], "sliding_window_pattern": 6, "num_hidden_layers": 6}

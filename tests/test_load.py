@@ -3,7 +3,7 @@ GGUF files built here from known weights (llama with llama.cpp's Q/K row order, 
 and clear errors on bad input."""
 
 import json
-import shutil
+
 
 import gguf
 import mlx.core as mx
@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import turbospark_mlx as ts
-from turbospark_mlx.load import GGUF_ARCHITECTURES, load_gguf_model, unpermute_rows
+from turbospark_mlx.loading.gguf import GGUF_ARCHITECTURES, load_gguf_model, unpermute_rows
 from turbospark_mlx.models import get_model_classes
 
 VOCAB = 64

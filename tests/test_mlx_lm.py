@@ -403,9 +403,9 @@ def test_batch_generate_with_sliding_layers(family):
 
 
 def test_set_layer_arrays_checks_before_changing():
-    from turbospark_mlx import KvCacheManager, LayerSpec, store_kv
+    from turbospark_mlx import KVCacheManager, LayerSpec, store_kv
 
-    kv = KvCacheManager([LayerSpec(2, 32)], "tq4")
+    kv = KVCacheManager([LayerSpec(2, 32)], "tq4")
     k = mx.random.normal((1, 2, 5, 32)).astype(mx.float16)
     store_kv(kv, 0, 0, k, k)
     before = {n: mx.array(a) for n, a in kv.layer_arrays(0).items()}

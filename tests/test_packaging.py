@@ -2,12 +2,13 @@
 
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from turbospark_mlx._kernels import kernel_source, kernels_dir
+from turbospark_mlx.gpu.sources import kernel_source, kernels_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,13 +31,14 @@ def test_wheel_ships_kernels(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     kernels = {Path(n).name for n in names if n.startswith("turbospark_mlx/kernels/")}
     assert {p.name for p in (ROOT / "kernels").iterdir()} <= kernels
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the wheel lacks LICENSE"
     # Install it on its own and read a kernel source through the installed package.
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)], check=True
     )
     code = (
-        "import turbospark_mlx, turbospark_mlx._kernels as k; "
+        "import turbospark_mlx, turbospark_mlx.gpu.sources as k; "
         "print(turbospark_mlx.__file__); print(k.kernels_dir()); print(len(k.kernel_source('prelude_cuda.h')))"
     )
     out = subprocess.run(
@@ -45,3 +47,17 @@ def test_wheel_ships_kernels(tmp_path):
     assert out.returncode == 0, out.stderr
     pkg_file, kdir, n = out.stdout.split()
     assert pkg_file.startswith(str(target)) and kdir.startswith(str(target)) and int(n) > 0
+
+
+@pytest.mark.slow
+def test_sdist_carries_the_package_not_the_benchmarks(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "-o", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (sdist,) = tmp_path.glob("turbospark_mlx-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+    assert {"turbospark_mlx", "kernels", "tests", "examples", "README.md", "LICENSE"} <= tops
+    assert "benchmarks" not in tops

@@ -2,9 +2,9 @@
 
 from .attention import attention_any
 from .cache import (
-    KvCacheManager,
-    KvStage,
-    KvTarget,
+    KVCacheManager,
+    KVStage,
+    KVTarget,
     LayerSpec,
     commit_kv,
     kv_write_target,
@@ -12,16 +12,16 @@ from .cache import (
     store_kv,
 )
 from .generate import GenerationResponse, generate, stream_generate
-from .load import load
+from .loading import load
 from .quant import PRESETS, LayerQuant, SideQuant, TurboQuantConfig, get_preset
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
-    "KvCacheManager",
-    "KvStage",
-    "KvTarget",
+    "KVCacheManager",
+    "KVStage",
+    "KVTarget",
     "LayerQuant",
     "LayerSpec",
     "SideQuant",

@@ -49,7 +49,7 @@ class _Progress:
 
 def _generate(args: argparse.Namespace) -> int:
     from .generate import stream_generate
-    from .load import load
+    from .loading import load
     from .quant.config import get_preset
 
     get_preset(args.kv)  # an unknown preset fails before the model loads

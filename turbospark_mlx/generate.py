@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KvCacheManager, make_cache
+from .cache import KVCacheManager, make_cache
 from .quant.config import TurboQuantConfig
 
 # Default KV preset, chosen from measured quality per byte on SmolLM2-135M (head_dim 64,
@@ -86,7 +86,7 @@ def encode_prompt(
     return tokenizer.encode(prompt)
 
 
-def _eval_cache(cache: KvCacheManager) -> None:
+def _eval_cache(cache: KVCacheManager) -> None:
     """Evaluate the cache's storage so a long prefill does not build one huge lazy graph."""
     arrays = [a for i in range(cache.n_layers) for a in cache.layer_arrays(i).values()]
     mx.eval(arrays)
@@ -94,7 +94,7 @@ def _eval_cache(cache: KvCacheManager) -> None:
 
 def prefill(
     model: nn.Module,
-    cache: KvCacheManager,
+    cache: KVCacheManager,
     tokens: mx.array,
     prefill_step_size: int = 512,
     progress: Callable[[int, int], None] | None = None,
@@ -125,7 +125,7 @@ def stream_generate(
     prompt: str | Sequence[int],
     *,
     kv: str | TurboQuantConfig = DEFAULT_KV,
-    cache: KvCacheManager | None = None,
+    cache: KVCacheManager | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 0.0,
@@ -199,7 +199,6 @@ def stream_generate(
     history = mx.array(ids)
 
     def pick(logits: mx.array) -> mx.array:
-        nonlocal history
         for p in processors:
             logits = p(history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..attention import attention_any
-from ..cache import KvCacheManager, commit_kv, kv_write_target
+from ..cache import KVCacheManager, commit_kv, kv_write_target
 
 
 @dataclass
@@ -32,7 +32,7 @@ class BaseModelArgs:
 
 
 def cached_attention(
-    cache: KvCacheManager,
+    cache: KVCacheManager,
     layer: int,
     queries: mx.array,
     keys: mx.array,
@@ -54,9 +54,9 @@ def cached_attention(
     return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks)
 
 
-def cache_for_call(model, cache: KvCacheManager | None, inputs: mx.array) -> KvCacheManager:
+def cache_for_call(model, cache: KVCacheManager | None, inputs: mx.array) -> KVCacheManager:
     """The cache a forward pass uses: the caller's, or a fresh FP16 one sized for this call."""
     if cache is not None:
         return cache
     B, L = inputs.shape[:2]
-    return KvCacheManager(model.kv_layer_specs(), "fp16", batch_size=B, max_rows=L, step=L)
+    return KVCacheManager(model.kv_layer_specs(), "fp16", batch_size=B, max_rows=L, step=L)

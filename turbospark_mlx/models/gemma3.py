@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma3 as _mlx_gemma3
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from . import gemma3_text
 from .base import BaseModelArgs
 
@@ -37,7 +37,7 @@ class Model(nn.Module):
         self.language_model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(args.text_config))
 
     def __call__(
-        self, inputs: mx.array, cache: KvCacheManager | None = None, input_embeddings: mx.array | None = None
+        self, inputs: mx.array, cache: KVCacheManager | None = None, input_embeddings: mx.array | None = None
     ) -> mx.array:
         return self.language_model(inputs, cache=cache, input_embeddings=input_embeddings)
 

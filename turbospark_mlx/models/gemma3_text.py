@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.gemma3_text import MLP, RMSNorm, clip_residual
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from .base import BaseModelArgs, cache_for_call, cached_attention
 
 
@@ -87,7 +87,7 @@ class Attention(nn.Module):
                 scaling_config=args.rope_scaling,
             )
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         B, L, _ = x.shape
         position = cache.layer_offset(self.layer_idx)
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
@@ -109,7 +109,7 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         r = self.self_attn(self.input_layernorm(x), cache)
         h = clip_residual(x, self.post_attention_layernorm(r))
         r = self.mlp(self.pre_feedforward_layernorm(h))
@@ -125,7 +125,7 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
-        self, inputs: mx.array, cache: KvCacheManager, input_embeddings: mx.array | None = None
+        self, inputs: mx.array, cache: KVCacheManager, input_embeddings: mx.array | None = None
     ) -> mx.array:
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         # The sqrt(hidden) scale is rounded through bfloat16, as Gemma was trained.
@@ -147,7 +147,7 @@ class Model(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        cache: KvCacheManager | None = None,
+        cache: KVCacheManager | None = None,
         input_embeddings: mx.array | None = None,
     ) -> mx.array:
         cache = cache_for_call(self, cache, inputs)

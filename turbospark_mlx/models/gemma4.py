@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4 as _mlx_gemma4
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from . import gemma4_text
 from .base import BaseModelArgs
 
@@ -36,7 +36,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.language_model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(args.text_config))
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager | None = None) -> mx.array:
         return self.language_model(inputs, cache=cache)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -26,7 +26,7 @@ from mlx_lm.models.gemma4_text import MLP, Experts, RMSNormNoScale, Router, logi
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..attention import attention_any
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from .base import BaseModelArgs, cache_for_call, cached_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -164,7 +164,7 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         if not self.has_kv:
@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(dim, eps=eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, cache: KvCacheManager, per_layer_input: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager, per_layer_input: mx.array | None) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
         if self.enable_moe:
             dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
@@ -245,7 +245,7 @@ class Gemma4TextModel(nn.Module):
         projected = self.per_layer_projection_norm(mx.unflatten(projected, -1, (n, d)))
         return (projected + from_tokens) * 2.0**-0.5
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
         h = self.embed_tokens(inputs) * self.embed_scale
         per_layer = self._per_layer_inputs(inputs, h) if self.args.hidden_size_per_layer_input else None
         for i, layer in enumerate(self.layers):
@@ -262,7 +262,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager | None = None) -> mx.array:
         cache = cache_for_call(self, cache, inputs)
         out = self.model(inputs, cache)
         if self.args.tie_word_embeddings:

@@ -22,7 +22,7 @@ from mlx_lm.models import gpt_oss as _mlx_gpt_oss
 from mlx_lm.models.gpt_oss import MLPBlock
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from .base import BaseModelArgs, cache_for_call, cached_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -81,7 +81,7 @@ class AttentionBlock(nn.Module):
         self.sm_scale = 1 / math.sqrt(D)
         self.rope = initialize_rope(D, args.rope_theta, traditional=False, scaling_config=args.rope_scaling)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         if self.sinks.shape != (self.num_attention_heads,):
             # Checked before the write, so a bad sink leaves the cache as it was.
             raise ValueError(
@@ -110,7 +110,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         x = x + self.self_attn(self.input_layernorm(x), cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -122,7 +122,7 @@ class GptOssMoeModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
         x = self.embed_tokens(inputs)
         for layer in self.layers:
             x = layer(x, cache)
@@ -137,7 +137,7 @@ class Model(nn.Module):
         self.model = GptOssMoeModel(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager | None = None) -> mx.array:
         cache = cache_for_call(self, cache, inputs)
         return self.lm_head(self.model(inputs, cache))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from .base import BaseModelArgs, cache_for_call, cached_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         if self.use_rope:
             self.rope = nn.RoPE(self.head_dim, traditional=False, base=args.rope_theta)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         B, L, _ = x.shape
         position = cache.layer_offset(self.layer_idx)
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = CenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_feedforward_layernorm = CenteredRMSNorm(args.hidden_size, args.post_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -163,7 +163,7 @@ class MuseGlimmerModel(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
         # Scaleless RMSNorm on the embeddings (not Gemma's sqrt scaling).
         h = mx.fast.rms_norm(self.embed_tokens(inputs), None, self.args.rms_norm_eps)
         for layer in self.layers:
@@ -180,7 +180,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager | None = None) -> mx.array:
         cache = cache_for_call(self, cache, inputs)
         out = self.model(inputs, cache)
         if self.args.tie_word_embeddings:

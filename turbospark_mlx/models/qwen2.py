@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache import KvCacheManager, LayerSpec
+from ..cache import KVCacheManager, LayerSpec
 from .base import BaseModelArgs, cache_for_call, cached_attention
 
 
@@ -71,7 +71,7 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, Hq, L, D)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, Hkv, L, D)
@@ -104,7 +104,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCacheManager) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -116,7 +116,7 @@ class Qwen2Model(nn.Module):
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, inputs: mx.array, cache: KvCacheManager) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
         h = self.embed_tokens(inputs)
         for layer in self.layers:
             h = layer(h, cache)
@@ -132,7 +132,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: Optional[KvCacheManager] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Optional[KVCacheManager] = None) -> mx.array:
         out = self.model(inputs, cache_for_call(self, cache, inputs))
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(out)

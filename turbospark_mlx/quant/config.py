@@ -7,13 +7,14 @@ per-layer policy. The bytes a token costs follow from it exactly:
         FP16 side:        2·d bytes
         TurboQuant side:  4·packed_words(d, bits) bytes of codes + 4 bytes of norm
 
-Norms are float32: ||x|| of real keys can exceed fp16's 65504 (a peer bug), and
-4 bytes per vector is <7% of a 4-bit row at d = 128.
+Norms are float32: ||x|| of real keys can exceed fp16's 65504, and 4 bytes per
+vector is <7% of a 4-bit row at d = 128.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import asdict, dataclass, fields, replace
 
 from .packing import packed_words
 from .rotation import ROTATION_KINDS
@@ -107,6 +108,25 @@ class TurboQuantConfig:
         if sliding or layer in self.fp16_layers:
             return False
         return self.fp16_first <= layer < n_layers - self.fp16_last
+
+    def to_json(self) -> str:
+        """The preset as JSON (the form cache files and the mlx-lm adapter store)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TurboQuantConfig":
+        """The preset `to_json` wrote; unknown or missing fields raise ValueError."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a KV preset must be a JSON object: {e}") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or not set(d) <= names:
+            raise ValueError(f"not a KV preset: {text[:200]!r}")
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        except TypeError as e:
+            raise ValueError(f"not a KV preset: {e}") from None
 
     def with_(self, **changes) -> "TurboQuantConfig":
         """A copy with some fields changed (the name too, unless given)."""

@@ -4,10 +4,10 @@ Layout (per vector of d indices, last axis):
   * b = 1, 2, 4, 8 divide 32, so one plane holds 32/b indices per word and no
     index ever spans two words.
   * b = 3 is split into two planes: the low 2 bits (16 indices per word), then
-    the high bit (32 indices per word). Peers that pack 3-bit codes densely
-    across byte/word edges spent most of decode unpacking them; here every
-    index is read with one shift and mask from an aligned word, and 3 bits
-    still cost exactly 3 bits per coordinate (no 10-per-word waste).
+    the high bit (32 indices per word). Codes packed densely across byte/word
+    edges cost decode most of its time in unpacking; here every index is read
+    with one shift and mask from an aligned word, and 3 bits still cost exactly
+    3 bits per coordinate (no 10-per-word waste).
   * Inside a plane, word w holds coordinates [w·n, (w+1)·n) (n = 32/width),
     coordinate w·n + s at bits [s·width, (s+1)·width): a thread that owns a
     contiguous run of coordinates loads consecutive, aligned words.

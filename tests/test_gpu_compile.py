@@ -20,11 +20,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from turbospark_mlx import _kernels, kernel_build
-from turbospark_mlx.kernel_build import ArgInfo, cuda_body, cuda_source, metal_source, render
-from turbospark_mlx.quant.turboquant import LayerQuant, side_quant
-from turbospark_mlx import tq_kernels
-from turbospark_mlx.tq_kernels import _length_arg, _rotation, decode_plan, mma_plan
+from turbospark_mlx.gpu import build, sources
+from turbospark_mlx.gpu.args import length_arg, rotation_arg
+from turbospark_mlx.gpu.build import cuda_body, render
+from turbospark_mlx.gpu.decode import decode_plan
+from turbospark_mlx.gpu.decode_mma import mma_plan
+from turbospark_mlx.gpu.inspect import ArgInfo, cuda_source, metal_source
+from turbospark_mlx.quant.tables import LayerQuant, side_quant
 
 SHIM = Path(__file__).resolve().parent / "metal_shim"
 CUDA_SHIM = Path(__file__).resolve().parent / "cuda_shim" / "cuda_shim.h"
@@ -48,7 +50,7 @@ def _quant(kb: int, vb: int, d: int) -> LayerQuant:
 
 
 def _rot_info(side) -> tuple[int, ArgInfo]:
-    kind, arr = _rotation(side)
+    kind, arr = rotation_arg(side)
     return kind, ArgInfo(mx.float32, arr.ndim, arr.size)
 
 
@@ -165,7 +167,7 @@ def _compile(source: str, tmp_path: Path, name: str) -> subprocess.CompletedProc
 
 
 def test_dialect_tokens_substituted_textually():
-    for op in kernel_build.ops_for("metal"):
+    for op in build.ops_for("metal"):
         for backend in ("metal", "cuda"):
             header, body = render(op, backend)
             assert not re.search(r"\bTS_(TID|GROUP_X|GROUP_Y|LANE)\b", body), (op, backend)
@@ -176,8 +178,8 @@ def test_dialect_tokens_substituted_textually():
         _, cuda_body = render(op, "cuda")
         assert "threadIdx.x" in cuda_body and "thread_position" not in cuda_body
         # What CUDA launches: the files #included, the tokens as macros before them.
-        cuda_header = kernel_build._cuda_parts(op)[0]
-        for token, text in kernel_build.DIALECT["cuda"].items():
+        cuda_header = build.cuda_parts(op)[0]
+        for token, text in build.DIALECT["cuda"].items():
             assert f"#define {token} {text}\n" in cuda_header
 
 
@@ -193,12 +195,12 @@ def test_metal_source_matches_mlx_signature_rules():
 
 
 def test_cuda_only_kernel_refuses_metal():
-    assert "tq_decode_mma" not in kernel_build.ops_for("metal")
+    assert "tq_decode_mma" not in build.ops_for("metal")
     with pytest.raises(ValueError, match="cuda only"):
         render("tq_decode_mma", "metal")
 
 
-@pytest.mark.parametrize("op", sorted(kernel_build.ops_for("metal")))
+@pytest.mark.parametrize("op", sorted(build.ops_for("metal")))
 def test_metal_kernels_compile_through_shim(op, tmp_path):
     variants = _variants()[op]
     assert variants
@@ -207,7 +209,7 @@ def test_metal_kernels_compile_through_shim(op, tmp_path):
 
 
 def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
-    original = _kernels.kernel_source.__wrapped__
+    original = sources.kernel_source.__wrapped__
 
     def planted(name: str) -> str:
         text = original(name)
@@ -215,7 +217,7 @@ def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
             text = text.replace("float den =", "flaot den =")  # a one-letter typo
         return text
 
-    monkeypatch.setattr(kernel_build, "kernel_source", planted)
+    monkeypatch.setattr(build, "kernel_source", planted)
     result = _compile(
         _translation_unit("tq_decode_reduce", _variants()["tq_decode_reduce"][:2]), tmp_path, "bad"
     )
@@ -223,7 +225,7 @@ def test_metal_check_fails_on_planted_error(tmp_path, monkeypatch):
     assert "flaot" in result.stderr
 
 
-@pytest.mark.parametrize("op", sorted(kernel_build.ops_for("metal")))
+@pytest.mark.parametrize("op", sorted(build.ops_for("metal")))
 def test_cuda_kernels_typecheck_through_shim(op, tmp_path):
     """The CUDA text of a sample of variants type-checks on the CPU (NVRTC compiles it on the GPU)."""
     variants = _variants()[op]
@@ -299,10 +301,9 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
     NVRTC compiles it on the GPU (the CPU shim cannot check PTX). At the benchmark's llama
     shape (tq4, D 128, 4 query heads per KV head; 16 warps, 128 registers) ptxas may spill at
     most five words: values live across the main loop, stored once in the set-up and loaded
-    after the loop, once per tile of the loop over a warp's last tiles, or (one of them, since
-    the first tiles are issued after q', session 13) once per round of the main loop (20 bytes
-    in session 13's SASS); a loop that no longer fits shows as more (the pipelined probe
-    variant: 24 bytes at session 11's set-up)."""
+    after the loop, once per tile of the loop over a warp's last tiles, or (one of them, as the
+    first tiles are issued after q') once per round of the main loop: 20 bytes in the SASS. A
+    main loop that does not fit its registers shows as more."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("needs nvcc (the CUDA toolkit) to compile the CUDA-only kernel")
@@ -328,57 +329,14 @@ def test_cuda_mma_kernel_compiles_with_nvcc(tmp_path):
     assert spilled <= 20, results[0].stderr[-2000:]
 
 
-def test_mma_launches_share_a_scratch_in_order(monkeypatch):
-    """tq_decode_mma's launches of one output dtype share a scratch (tickets, then partials),
-    so each takes the last one's output as an input (a dependency MLX keeps in order): the
-    first takes a zero of its dtype; the scratch grows, zeroed, when a launch needs more; a
-    dtype of its own gets a scratch of its own. The kernel object is replaced by a recorder."""
-    monkeypatch.setattr(tq_kernels, "_MMA_CHAIN", {})
-    names = kernel_build.SPECS["tq_decode_mma"].inputs
-    quant = _quant(4, 4, 128)
-    kc = mx.zeros((1, 8, 70_000, quant.k.words), mx.uint32)
-    kn = mx.zeros((1, 8, 70_000), mx.float32)
-    calls = []
-
-    def record(**kw):
-        calls.append(dict(zip(names, kw["inputs"], strict=True)))
-        return [mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0])]
-
-    outs = []
-    for dtype, pos in ((mx.float16, 4095), (mx.float16, 4095), (mx.float16, 65_000), (mx.float32, 4095)):
-        q = mx.zeros((1, 32, 1, 128), dtype)
-        launch = tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False)
-        monkeypatch.setattr(launch, "_kernel", record)
-        outs.append(tq_kernels.tq_decode_mma(q, kc, kn, kc, kn, quant, scale=128**-0.5, position=pos))
-        plan = mma_plan(quant, 4, 1, 128, 8, pos + 1, scale=128**-0.5, has_starts=False,
-                        has_sink=False, out_dtype=dtype)
-        need = tq_kernels.MMA_TICKET_WORDS + 8 * plan["splits"] * (plan["R"] * 128 + 2 * plan["RP"])
-        scratch = calls[-1]["scratch"]
-        assert scratch.dtype == mx.uint32 and scratch.size >= need
-        assert not mx.any(scratch[: tq_kernels.MMA_TICKET_WORDS]).item()
-    first, second, third, other = calls
-    assert first["after"].dtype == mx.float16 and not mx.any(first["after"]).item()
-    assert second["after"] is outs[0] and third["after"] is outs[1]
-    assert first["scratch"] is second["scratch"] is third["scratch"]
-    assert other["scratch"] is not third["scratch"] and other["after"].dtype == mx.float32
-    # A launch that needs more partials than the scratch holds: a new, zeroed scratch; the
-    # chain goes on from the last output.
-    chain = tq_kernels._MMA_CHAIN[mx.float16]
-    assert chain[1] is outs[2]
-    grown = tq_kernels._mma_chain(mx.float16, 4 * chain[0].size)
-    assert grown[0] is not third["scratch"] and grown[1] is outs[2]
-    assert grown[0].size >= tq_kernels.MMA_TICKET_WORDS + 4 * third["scratch"].size
-    assert not mx.any(grown[0]).item()
-
-
 def test_per_step_integers_travel_as_array_lengths():
     """Position and kv_start reach the decode kernels as `<input>_shape[0] - 1` of a prefix
     view (a launch parameter; no host-made array in MLX CUDA's managed memory): the view's
     length carries the value, the kernels' bodies read it, and one step's layers share it."""
     for n in (0, 7, 4095, 300_000):  # the last one outgrows the initial buffer
-        a = _length_arg(n)
+        a = length_arg(n)
         assert a.shape == (n + 1,) and a.dtype == mx.uint8
-        assert _length_arg(n) is a
+        assert length_arg(n) is a
     for op in ("tq_decode_attention", "tq_decode_mma"):
         variant = _variants()[op][0] if op == "tq_decode_attention" else None
         template = (
@@ -399,110 +357,3 @@ def test_per_step_integers_travel_as_array_lengths():
         )
         body = cuda_body(op, template)
         assert "(void)qpos_shape;" in body and "(void)kv0_shape;" in body
-
-
-def test_automatic_choice_on_cuda(monkeypatch):
-    """On CUDA the automatic choice takes the tensor-core kernel from MMA_AUTO_MIN_CONTEXT keys
-    on at the head dims it serves, and the dialect kernels otherwise, without looking a
-    tensor-core launch up for short contexts (one more lookup per layer and step). Both kernel
-    calls are replaced by recorders (no GPU here)."""
-    monkeypatch.setattr(tq_kernels, "_MMA_CHAIN", {})
-    dialect, mma, lookups = [], [], []
-
-    def fake_launch(op, backend, template, **kw):
-        dialect.append(op)
-        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-    def record(**kw):
-        mma.append(kw)
-        return [mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0])]
-
-    real_lookup = tq_kernels._mma_launch
-
-    def lookup(*a):
-        launch = real_lookup(*a)
-        lookups.append(launch)
-        launch._kernel = record
-        return launch
-
-    monkeypatch.setattr(tq_kernels, "launch", fake_launch)
-    monkeypatch.setattr(tq_kernels, "_mma_launch", lookup)
-    for d, pos, want in ((128, tq_kernels.MMA_AUTO_MIN_CONTEXT - 1, "mma"), (128, 100, "dialect"), (96, 9000, "dialect")):
-        quant = _quant(4, 4, d)
-        q = mx.zeros((1, 32, 1, d), mx.float16)
-        kc = mx.zeros((1, 8, 10_000, quant.k.words), mx.uint32)
-        kn = mx.zeros((1, 8, 10_000), mx.float32)
-        n_dialect, n_mma, n_lookups = len(dialect), len(mma), len(lookups)
-        out = tq_kernels.tq_decode_attention(q, kc, kn, kc, kn, quant, scale=d**-0.5, position=pos, backend="cuda")
-        assert out.shape == (1, 32, 1, d)
-        assert (len(mma) - n_mma, len(dialect) - n_dialect) == ((1, 0) if want == "mma" else (0, 2))
-        assert len(lookups) - n_lookups == (0 if pos + 1 < tq_kernels.MMA_AUTO_MIN_CONTEXT else 1)
-
-
-def test_mma_launch_cache_matches_the_plan(monkeypatch):
-    """tq_decode_mma caches each call shape's launch (_MmaLaunch): per step it must still
-    launch what mma_plan says for that context (grid from the split count, a scratch with room
-    for its partials), with the step's position and kv_start as lengths.
-    The kernel object is replaced by a recorder (no GPU here)."""
-    quant = _quant(4, 4, 128)
-    q = mx.zeros((1, 32, 1, 128), mx.float16)
-    kc = mx.zeros((1, 8, 70_000, quant.k.words), mx.uint32)
-    kn = mx.zeros((1, 8, 70_000), mx.float32)
-    launch = tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False)
-    calls = []
-
-    def record(**kw):
-        calls.append(kw)
-        return kw["inputs"][0], None
-
-    monkeypatch.setattr(launch, "_kernel", record)
-    for pos, start in ((4095, 0), (32767, 7), (65_000, 0), (4095, 0)):
-        out = tq_kernels.tq_decode_mma(
-            q, kc, kn, kc, kn, quant, scale=128**-0.5, position=pos, kv_start=start
-        )
-        assert out is q
-        plan = mma_plan(
-            quant,
-            4,
-            1,
-            128,
-            8,
-            pos + 1,
-            scale=128**-0.5,
-            has_starts=False,
-            has_sink=False,
-            out_dtype=mx.float16,
-        )
-        kw = calls[-1]
-        assert kw["grid"] == (32 * plan["nwarp"] * plan["splits"], 8, 1)
-        assert kw["threadgroup"] == (32 * plan["nwarp"], 1, 1)
-        assert kw["output_shapes"] == [(1, 32, 1, 128)]
-        args = dict(zip(kernel_build.SPECS["tq_decode_mma"].inputs, kw["inputs"], strict=True))
-        parts = 8 * plan["splits"] * (plan["R"] * 128 + 2 * plan["RP"])  # partials, after the tickets
-        assert args["scratch"].size >= tq_kernels.MMA_TICKET_WORDS + parts
-        assert args["qpos"].shape == (pos + 1,) and args["kv0"].shape == (start + 1,)
-        assert args["tables"] is launch.tables  # the layer's four tables, one input made once
-        # The codes go as bytes, so MLX sizes its CUDA graphs by what the kernel reads.
-        for name in ("k_bytes", "v_bytes"):
-            assert args[name].dtype == mx.uint8 and args[name].shape == (1, 8, 70_000, 4 * quant.k.words)
-    assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, False, False) is launch
-    assert tq_kernels._mma_launch(quant, q, 8, 128**-0.5, True, False) is not launch
-
-
-def test_mma_shared_memory_fits_one_block_on_sm90():
-    """Every tq_decode_mma variant asks for at most the 227 KB of dynamic shared memory an
-    sm_90 block may have (more fails the launch: cuGraphAddKernelNode "invalid argument"):
-    PL's byte-indexed tables fall back to packed ones where they would not fit."""
-    limit = tq_kernels.MMA_SM_SHARED - tq_kernels.MMA_BLOCK_SHARED_RESERVED
-    pl_seen = set()
-    for kb in (2, 3, 4, 8):
-        for vb in (2, 3, 4, 8):
-            for d in (64, 128, 256):
-                for g, m in ((1, 1), (4, 1), (8, 1), (16, 1), (4, 4)):
-                    plan = mma_plan(
-                        _quant(kb, vb, d), g, m, d, 8, 131072,
-                        scale=d**-0.5, has_starts=False, has_sink=False, out_dtype=mx.float16,
-                    )
-                    assert plan["smem"] <= limit, (kb, vb, d, g, m, plan["smem"])
-                    pl_seen.add(dict(plan["template"])["PL"])
-    assert pl_seen == {True, False}

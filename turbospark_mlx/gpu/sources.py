@@ -18,7 +18,7 @@ def kernels_dir() -> Path:
     packaged = resources.files("turbospark_mlx") / "kernels"
     if packaged.is_dir():
         return Path(str(packaged))
-    source_tree = Path(__file__).resolve().parent.parent / "kernels"
+    source_tree = Path(__file__).resolve().parents[2] / "kernels"
     if source_tree.is_dir():
         return source_tree
     raise FileNotFoundError(

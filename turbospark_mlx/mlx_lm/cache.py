@@ -1,55 +1,27 @@
-"""Drop-in TurboQuant KV cache for mlx-lm models.
+"""The TurboSpark cache classes mlx-lm holds in its per-layer cache list.
 
-    from turbospark_mlx.mlx_lm import make_prompt_cache
-    cache = make_prompt_cache(model, kv="k8v4")
-    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
+`TurboSparkKVCache` is a thin adapter over a one-layer `KVCacheManager`: converted
+attention (`patch.py`) writes through `store_kv` (staging -> `commit_kv` quantizes) and
+reads through `attention_any`; the compressed history is never expanded to FP16, so
+`update_and_fetch`, which unconverted attention code calls for FP16 K/V, raises a clear
+error. `TurboSparkBatchKVCache` serves `mlx_lm.batch_generate` / `BatchGenerator` through
+merge / extract / filter / extend, with left padding as a per-sequence `kv_start`.
 
-What `make_prompt_cache` does, and nothing happens at import:
-  * It builds mlx-lm's own per-layer cache list (`model.make_cache()` or
-    `KVCache` per layer) and replaces every full-attention `KVCache` that the
-    preset's layer policy compresses with a `TurboSparkKVCache`. Sliding-window
-    `RotatingKVCache`, `ArraysCache` and the rest stay as they are.
-  * It converts the attention modules of `model.layers` in place by giving each
-    `self_attn` object a subclass of its own class whose `__call__` sends a
-    TurboSpark cache through the project's write path (`store_kv`: staging ->
-    `commit_kv` quantizes) and `attention_any` (packed codes, sinks, `kv_start`).
-    Parameters are the same objects; any other cache goes to the original
-    `__call__`. `unpatch_model(model)` gives every object its class back.
-  * It registers the cache class names in `mlx_lm.models.cache`, which is how
-    `mlx_lm.load_prompt_cache` finds classes (a lookup in that module's globals).
-
-The compressed history is never expanded to FP16: `update_and_fetch`, which
-unconverted attention code calls to get FP16 K/V, raises a clear error.
-The batch class (`TurboSparkBatchKVCache`) serves `mlx_lm.batch_generate` /
-`BatchGenerator` through merge / extract / filter / extend, with left padding
-as a per-sequence `kv_start`.
-
-Supported mlx-lm: >=0.31.3,<0.33 (0.31.x saves `state` arrays plus
-`meta_state` strings; 0.32.x puts scalars and strings in `state`).
+Supported mlx-lm: >=0.31.3,<0.33 (0.31.x saves `state` arrays plus `meta_state`
+strings; 0.32.x puts scalars and strings in `state`).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
-from .attention import attention_any
-from .cache import KvCacheManager, LayerSpec, store_kv
-from .quant.config import TurboQuantConfig, get_preset
+from ..attention import attention_any
+from ..cache import KVCacheManager, LayerSpec, store_kv
+from ..quant.config import TurboQuantConfig, get_preset
 
-__all__ = [
-    "TurboSparkBatchKVCache",
-    "TurboSparkKVCache",
-    "load_prompt_cache",
-    "make_prompt_cache",
-    "patch_model",
-    "register_cache_classes",
-    "unpatch_model",
-]
+__all__ = ["TurboSparkBatchKVCache", "TurboSparkKVCache"]
 
 _NAMES = ("k_codes", "k_norms", "v_codes", "v_norms")
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -60,11 +32,6 @@ def _legacy_protocol() -> bool:
     from mlx_lm.models import cache
 
     return "meta_state" in vars(cache._BaseCache)
-
-
-def _config_from_json(text: str) -> TurboQuantConfig:
-    d = json.loads(text)
-    return TurboQuantConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
@@ -79,7 +46,7 @@ def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
 
 
 class _TurboSparkCacheBase:
-    """What the single and batch caches share: a one-layer `KvCacheManager` and its protocol glue.
+    """What the single and batch caches share: a one-layer `KVCacheManager` and its protocol glue.
 
     Attributes:
         config: the per-layer preset (bits per side, rotation, seed).
@@ -101,10 +68,10 @@ class _TurboSparkCacheBase:
         self.q_block = q_block
         self.dtype_name = dtype
         self.shape = (0, 0)  # (n_kv_heads, head_dim), known from the first write
-        self._kv: KvCacheManager | None = None
+        self._kv: KVCacheManager | None = None
 
-    def _manager(self, batch_size: int) -> KvCacheManager:
-        return KvCacheManager(
+    def _manager(self, batch_size: int) -> KVCacheManager:
+        return KVCacheManager(
             [LayerSpec(*self.shape)],
             self.config,
             batch_size=batch_size,
@@ -113,7 +80,7 @@ class _TurboSparkCacheBase:
             step=self.step,
         )
 
-    def _ensure(self, keys: mx.array) -> KvCacheManager:
+    def _ensure(self, keys: mx.array) -> KVCacheManager:
         B, H, _, D = keys.shape
         if self.dtype_name is None:
             # Staging dtype: bfloat16 models stage in bfloat16, the rest (fp16, fp32) in float16.
@@ -187,7 +154,7 @@ class _TurboSparkCacheBase:
 
     def _config_meta(self) -> tuple:
         return (
-            json.dumps(asdict(self.config)),
+            self.config.to_json(),
             self.dtype_name or "",
             self.max_rows,
             self.q_block,
@@ -195,7 +162,7 @@ class _TurboSparkCacheBase:
         )
 
     def _set_config_meta(self, config_json, dtype_name, max_rows, q_block, n_kv_heads, head_dim) -> None:
-        self._setup(_config_from_json(config_json), int(max_rows), int(q_block), dtype_name or None)
+        self._setup(TurboQuantConfig.from_json(config_json), int(max_rows), int(q_block), dtype_name or None)
         self.shape = (int(n_kv_heads), int(head_dim))
 
     def _restore(self, arrays: Sequence, offset: int) -> None:
@@ -212,7 +179,7 @@ class _TurboSparkCacheBase:
 class TurboSparkKVCache(_TurboSparkCacheBase):
     """mlx-lm prompt cache for one full-attention layer, TurboQuant-compressed.
 
-    An adapter over a one-layer `KvCacheManager`: the manager owns the packed
+    An adapter over a one-layer `KVCacheManager`: the manager owns the packed
     codes and norms; this class speaks mlx-lm's cache protocol (offset, state,
     trim, make_mask, merge). Attention reaches it through the converted
     attention modules (`patch_model`), which call `attend`.
@@ -507,196 +474,3 @@ class TurboSparkBatchKVCache(_TurboSparkCacheBase):
         obj = cls.__new__(cls)
         obj.state = state
         return obj
-
-
-_CACHE_CLASSES = (TurboSparkKVCache, TurboSparkBatchKVCache)
-
-
-def register_cache_classes() -> None:
-    """Make `mlx_lm.load_prompt_cache` able to re-create TurboSpark caches.
-
-    mlx-lm resolves a saved cache's class name in `mlx_lm.models.cache`'s
-    globals; this adds the TurboSpark names there (nothing else changes).
-    `make_prompt_cache` and `patch_model` call it.
-    """
-    from mlx_lm.models import cache
-
-    for cls in _CACHE_CLASSES:
-        setattr(cache, cls.__name__, cls)
-
-
-def load_prompt_cache(file_name: str, return_metadata: bool = False):
-    """`mlx_lm.load_prompt_cache` after `register_cache_classes()`."""
-    from mlx_lm.models.cache import load_prompt_cache as _load
-
-    register_cache_classes()
-    return _load(file_name, return_metadata=return_metadata)
-
-
-# -- attention conversion ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Family:
-    """Where an mlx-lm attention module keeps what the TurboSpark path needs."""
-
-    n_heads: str
-    n_kv_heads: str
-    scale: str
-    norms: bool = False  # q_norm / k_norm over head_dim before RoPE
-    sinks: str | None = None
-
-
-# Attention classes by "module.Class"; each family's __call__ was read in mlx-lm 0.31.3 and 0.32.2.
-_FAMILIES = {
-    "mlx_lm.models.llama.Attention": _Family("n_heads", "n_kv_heads", "scale"),
-    "mlx_lm.models.qwen2.Attention": _Family("n_heads", "n_kv_heads", "scale"),
-    "mlx_lm.models.qwen3.Attention": _Family("n_heads", "n_kv_heads", "scale", norms=True),
-    "mlx_lm.models.gemma3_text.Attention": _Family("n_heads", "n_kv_heads", "scale", norms=True),
-    "mlx_lm.models.gpt_oss.AttentionBlock": _Family(
-        "num_attention_heads", "num_key_value_heads", "sm_scale", sinks="sinks"
-    ),
-}
-_CONVERTED: dict[type, type] = {}  # original attention class -> its TurboSpark subclass
-
-
-def _family_key(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _turbospark_call(self, x: mx.array, mask=None, cache=None):
-    """Attention forward: TurboSpark caches go through attend(); any other cache to the original."""
-    original = type(self)._turbospark_original
-    if not isinstance(cache, _TurboSparkCacheBase):
-        return original.__call__(self, x, mask, cache)
-    fam = _FAMILIES[_family_key(original)]
-    B, L, _ = x.shape
-    q = self.q_proj(x).reshape(B, L, getattr(self, fam.n_heads), -1).transpose(0, 2, 1, 3)
-    k = self.k_proj(x).reshape(B, L, getattr(self, fam.n_kv_heads), -1).transpose(0, 2, 1, 3)
-    v = self.v_proj(x).reshape(B, L, getattr(self, fam.n_kv_heads), -1).transpose(0, 2, 1, 3)
-    if fam.norms:
-        q, k = self.q_norm(q), self.k_norm(k)
-    # The mask is not needed: attend() masks causally by position, padding by kv_start.
-    q = self.rope(q, offset=cache.offset)
-    k = self.rope(k, offset=cache.offset)
-    sinks = getattr(self, fam.sinks) if fam.sinks else None
-    out = cache.attend(q, k, v, scale=getattr(self, fam.scale), sinks=sinks)
-    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-def _converted_class(original: type) -> type:
-    if original not in _CONVERTED:
-        _CONVERTED[original] = type(
-            f"TurboSpark{original.__name__}",
-            (original,),
-            {"__call__": _turbospark_call, "_turbospark_original": original, "__module__": __name__},
-        )
-    return _CONVERTED[original]
-
-
-def _attention_modules(model) -> list:
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__module__}.{type(model).__name__} has no `layers`; not an mlx-lm model?"
-        )
-    return [getattr(layer, "self_attn", None) for layer in layers]
-
-
-def _is_converted(attn) -> bool:
-    return attn is not None and hasattr(type(attn), "_turbospark_original")
-
-
-def _convert_attention(model, need: Sequence[int]) -> None:
-    """Give the attention modules of the layers in `need` (and every supported one) the TurboSpark call."""
-    modules = _attention_modules(model)
-    for i in need:
-        attn = modules[i]
-        if attn is None or not (_is_converted(attn) or _family_key(type(attn)) in _FAMILIES):
-            what = "no self_attn" if attn is None else _family_key(type(attn))
-            raise NotImplementedError(
-                f"layer {i}: turbospark_mlx cannot serve this attention ({what}); supported: "
-                f"{', '.join(sorted(_FAMILIES))}. Use mlx-lm's own cache for this model."
-            )
-    for attn in modules:
-        if attn is not None and not _is_converted(attn) and _family_key(type(attn)) in _FAMILIES:
-            attn.__class__ = _converted_class(type(attn))
-
-
-def _base_caches(model) -> list:
-    from mlx_lm.models.cache import KVCache
-
-    original = getattr(model, "_turbospark_make_cache", None)
-    if original is not None:
-        return original()
-    if hasattr(model, "make_cache"):
-        return model.make_cache()
-    return [KVCache() for _ in model.layers]
-
-
-def make_prompt_cache(
-    model,
-    kv: str | TurboQuantConfig = "tq4",
-    *,
-    max_rows: int = 256,
-    q_block: int = 256,
-    dtype: str | None = None,
-) -> list:
-    """mlx-lm's prompt cache for `model` with TurboQuant on the full-attention layers.
-
-    Builds the list mlx-lm would (`model.make_cache()` or one `KVCache` per
-    layer) and replaces each `KVCache` on a layer the preset's policy
-    compresses (`TurboQuantConfig.is_quantized_layer`) with a
-    `TurboSparkKVCache`; RotatingKVCache, ArraysCache and the rest stay. It
-    also converts the model's attention modules (see `unpatch_model` to undo)
-    and registers the cache classes with mlx-lm's loader.
-
-    Args:
-        model: an mlx-lm model (llama/mistral, qwen2, qwen3, gemma3/gemma3_text, gpt_oss).
-        kv: preset name or `TurboQuantConfig`.
-        max_rows, q_block, dtype: see `TurboSparkKVCache`.
-    Raises:
-        NotImplementedError: a layer to compress has an attention module this
-            package cannot serve (the model is left unchanged).
-    """
-    from mlx_lm.models.cache import KVCache
-
-    config = get_preset(kv)
-    base = _base_caches(model)
-    n = len(base)
-    if n != len(model.layers):
-        raise ValueError(f"the model's cache list has {n} entries for {len(model.layers)} layers")
-    chosen = [i for i, c in enumerate(base) if type(c) is KVCache and config.is_quantized_layer(i, n)]
-    _convert_attention(model, chosen)
-    register_cache_classes()
-    for i in chosen:
-        base[i] = TurboSparkKVCache(config, max_rows=max_rows, q_block=q_block, dtype=dtype)
-    return base
-
-
-def patch_model(model, kv: str | TurboQuantConfig = "tq4", **kwargs):
-    """Make every cache mlx-lm builds for `model` a TurboSpark one; returns the model.
-
-    Sets an instance attribute `model.make_cache`, which mlx-lm's
-    `make_prompt_cache` prefers: `generate_step` without a prompt_cache,
-    speculative decoding's draft model, `BatchGenerator` / `batch_generate`
-    and `mlx_lm.server` then all get TurboSpark caches. Undo with `unpatch_model`.
-    """
-    make_prompt_cache(model, kv, **kwargs)  # validates and converts before anything is set
-    if "_turbospark_make_cache" not in vars(model):
-        model._turbospark_make_cache = getattr(model, "make_cache", None) or (
-            lambda: [sys.modules["mlx_lm.models.cache"].KVCache() for _ in model.layers]
-        )
-    model.make_cache = lambda: make_prompt_cache(model, kv, **kwargs)
-    return model
-
-
-def unpatch_model(model):
-    """Undo `make_prompt_cache` / `patch_model` on `model`: original attention classes and make_cache."""
-    for attn in _attention_modules(model):
-        if _is_converted(attn):
-            attn.__class__ = type(attn)._turbospark_original
-    if "_turbospark_make_cache" in vars(model):
-        del model.make_cache  # the instance attribute; the class's method (if any) shows again
-        del model._turbospark_make_cache
-    return model

@@ -1,40 +1,25 @@
-"""Load a model and its tokenizer: a local HF directory, an HF repo id, or a GGUF file.
-
-HF directories go through mlx-lm's loader (safetensors, sharded, mlx-community
-quantized weights) with this package's family classes. GGUF files are read with
-`mx.load` (F32/F16/BF16/Q4_0/Q4_1/Q8_0 natively; the quantized ones stay packed
-as MLX affine weights, group size 32) or, for other types (K-quants, ...), with
-the `gguf` package, which dequantizes them. The tokenizer and chat template come
-from the GGUF metadata through transformers' GGUF converter.
+"""GGUF files: tensors through `mx.load` (F32/F16/BF16/Q4_0/Q4_1/Q8_0 natively; the
+quantized ones stay packed as MLX affine weights, group size 32) or, for other types
+(K-quants, ...), through the `gguf` package, which dequantizes them; llama.cpp's tensor
+names and metadata keys mapped onto the family files by `GGUF_ARCHITECTURES`.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .models import get_model_classes
+from ..models import get_model_classes
+from .tokenizers import gguf_tokenizer, meta_value
 
-# What an HF repo id download fetches: weights, configs, tokenizer files.
-HF_ALLOW_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "tokenizer.model",
-    "*.tiktoken",
-    "tiktoken.model",
-    "*.txt",
-    "*.jinja",
-]
 GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks, as mx.load returns them
 
@@ -118,116 +103,6 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
         config_defaults="gemma3_text:gguf_config_defaults",
     ),
 }
-
-
-# -- entry point ---------------------------------------------------------------------
-
-
-def load(
-    path_or_repo: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    dtype: mx.Dtype | None = None,
-    lazy: bool = False,
-) -> tuple[nn.Module, Any]:
-    """Load (model, tokenizer) from a GGUF file, a local HF directory or an HF repo id.
-
-    Args:
-        path_or_repo: a `.gguf` file; a directory with config.json and *.safetensors;
-            or "org/name" on the Hugging Face Hub (honours HF_HUB_OFFLINE and the local cache).
-        revision: HF branch, tag or commit (repo ids only).
-        dtype: dtype of float weights and activations. Default: float32 on the CPU (MLX's
-            CPU float16/bfloat16 matmuls measured ~50x slower here); on a GPU, as stored for
-            HF checkpoints and float16 for GGUF.
-        lazy: leave weights unevaluated until first use.
-    Returns:
-        (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`.
-    Raises:
-        FileNotFoundError: a path, config, weight file or shard is missing.
-        ValueError: unsupported model type or GGUF architecture, or an unreadable file.
-    """
-    path = Path(path_or_repo).expanduser()
-    if path.suffix == ".gguf" or path.is_file():
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return load_gguf(path, dtype=dtype, lazy=lazy)
-    if path.is_dir():
-        return load_hf_dir(path, dtype=dtype, lazy=lazy)
-    if _looks_like_repo_id(str(path_or_repo)):
-        return load_hf_dir(_snapshot(str(path_or_repo), revision), dtype=dtype, lazy=lazy)
-    raise FileNotFoundError(
-        f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
-    )
-
-
-def _looks_like_repo_id(s: str) -> bool:
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", s) is not None and not s.startswith((".", "/"))
-
-
-def _snapshot(repo_id: str, revision: str | None) -> Path:
-    """Download (or find in the local HF cache) the files a model needs."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HF_ALLOW_PATTERNS))
-    except Exception as e:  # offline without a cached copy, unknown repo, no network, ...
-        raise FileNotFoundError(
-            f"could not get {repo_id!r} from the Hugging Face Hub or its local cache: {type(e).__name__}: {e}"
-        ) from e
-
-
-# -- HF directories ------------------------------------------------------------------
-
-
-def load_hf_dir(path: Path, *, dtype: mx.Dtype | None = None, lazy: bool = False):
-    """(model, tokenizer) from an HF-style directory; see `load`."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from mlx_lm.utils import load_model
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-    config = json.loads((path / "config.json").read_text())
-    if "model_type" not in config:
-        raise ValueError(f"{path / 'config.json'} has no model_type")
-    get_model_classes(config["model_type"])  # unsupported families fail here, naming the supported ones
-    _check_weight_files(path)
-    model, config = load_model(
-        path, lazy=True, get_model_classes=lambda config: get_model_classes(config["model_type"])
-    )
-    if dtype is None and mx.default_device() == mx.cpu:
-        dtype = mx.float32
-    if dtype is not None:
-        _cast_floats(model, dtype)
-    if not lazy:
-        mx.eval(model.parameters())
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer
-
-
-def _check_weight_files(path: Path) -> None:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{path}: shards listed in {index.name} are missing: {', '.join(missing)}"
-            )
-    elif not list(path.glob("model*.safetensors")):
-        raise FileNotFoundError(f"{path} has no model*.safetensors weight files")
-
-
-def _cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast float parameters (not packed weights, which are uint32) to dtype."""
-    model.update(
-        nn.utils.tree_map(
-            lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()
-        )
-    )
-
-
-# -- GGUF ------------------------------------------------------------------------------
 
 
 def load_gguf(path: Path, *, dtype: mx.Dtype | None = None, lazy: bool = False):
@@ -336,18 +211,12 @@ def _meta_str(meta: dict, key: str, path: Path) -> str:
     return str(meta[key])
 
 
-def _meta_value(v):
-    if isinstance(v, mx.array):
-        return v.item() if v.size == 1 else v.tolist()
-    return v
-
-
 def gguf_config(meta: dict, arch_name: str, arch: GGUFArch, tensors: dict) -> dict:
     """An HF-style config dict from GGUF metadata."""
     config = {"model_type": arch.model_type, **arch.extra_config}
     for key, hf_key in arch.config.items():
         if f"{arch_name}.{key}" in meta:
-            config[hf_key] = _meta_value(meta[f"{arch_name}.{key}"])
+            config[hf_key] = meta_value(meta[f"{arch_name}.{key}"])
     if "vocab_size" not in config and "token_embd.weight" in tensors:
         config["vocab_size"] = tensors["token_embd.weight"].shape[0]  # llama.cpp may drop unused rows
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in meta:
@@ -359,7 +228,7 @@ def gguf_config(meta: dict, arch_name: str, arch: GGUFArch, tensors: dict) -> di
     if scaling == "linear":
         config["rope_scaling"] = {
             "type": "linear",
-            "factor": _meta_value(meta[f"{arch_name}.rope.scaling.factor"]),
+            "factor": meta_value(meta[f"{arch_name}.rope.scaling.factor"]),
         }
     elif scaling != "none":
         raise ValueError(
@@ -437,100 +306,3 @@ def _quantized_modules(weights: dict[str, mx.array]) -> dict[str, dict]:
             bits = weights[f"{module}.weight"].shape[-1] * 32 // in_features
             quant[module] = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
     return quant
-
-
-# Pre-tokenizer split regexes of byte-level BPE vocabularies, by `tokenizer.ggml.pre`
-# (as llama.cpp's llama-vocab.cpp and the models' tokenizer.json files define them).
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
-_LLAMA3_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-BPE_PRE_TOKENIZERS: dict[str, list[str]] = {
-    "gpt2": [_GPT2_SPLIT],
-    "default": [_GPT2_SPLIT],
-    "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2's split
-    "llama-bpe": [_LLAMA3_SPLIT],
-    "llama3": [_LLAMA3_SPLIT],
-    "qwen2": [_QWEN2_SPLIT],
-}
-_GGML_TOKEN_CONTROL, _GGML_TOKEN_USER_DEFINED = 3, 4
-
-
-def gguf_tokenizer(path: Path, meta: dict):
-    """An mlx-lm TokenizerWrapper for a GGUF file's vocabulary.
-
-    Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": SmolLM, Llama 3, Qwen) are
-    built here with `tokenizers` from the metadata; others go through transformers' GGUF
-    converter (which, in transformers 5, needs torch).
-    """
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
-
-    kind = str(meta.get("tokenizer.ggml.model", ""))
-    if kind == "gpt2":
-        tok = _bpe_tokenizer_from_gguf(path, meta)
-    else:
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as e:
-            raise ValueError(
-                f"{path.name}: cannot build a {kind!r} tokenizer from the GGUF metadata: {e}"
-            ) from e
-    detok = {"gpt2": BPEStreamingDetokenizer, "llama": SPMStreamingDetokenizer}.get(kind)
-    stop = [
-        int(_meta_value(meta[k]))
-        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        if k in meta
-    ]
-    if detok is None:
-        return TokenizerWrapper(tok, eos_token_ids=stop)
-    return TokenizerWrapper(tok, detok, eos_token_ids=stop)
-
-
-def _bpe_tokenizer_from_gguf(path: Path, meta: dict):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
-    if pre not in BPE_PRE_TOKENIZERS:
-        raise ValueError(
-            f"{path.name}: BPE pre-tokenizer {pre!r} is not supported; supported: {', '.join(BPE_PRE_TOKENIZERS)}"
-        )
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    bpe = Tokenizer(
-        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False)
-    )
-    splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in BPE_PRE_TOKENIZERS[pre]]
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type")
-    types = [] if types is None else np.array(types).tolist()
-    special = [tokens[i] for i, t in enumerate(types) if t in (_GGML_TOKEN_CONTROL, _GGML_TOKEN_USER_DEFINED)]
-    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-
-    def token(key):
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if i is None else tokens[int(_meta_value(i))]
-
-    bos = token("bos")
-    if bos is not None and bool(_meta_value(meta.get("tokenizer.ggml.add_bos_token", False))):
-        bpe.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=bos,
-        eos_token=token("eos"),
-        unk_token=token("unknown"),
-        pad_token=token("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
-    )

@@ -1,12 +1,12 @@
 """The KV cache manager and the write path.
 
-Write path (kept from the runtime this package re-creates):
-  1. `kv_write_target(kv, half, layer, position)` is where a block puts its
+Write path:
+  1. `kv_write_target(kv, side, layer, position)` is where a block puts its
      finished K or V rows (after k-norm / RoPE): the cache slot on an FP16
-     layer, an FP16 staging row (`KvStage`) on a TurboQuant layer. A
+     layer, an FP16 staging row (`KVStage`) on a TurboQuant layer. A
      compressed row is never a write target. A sliding-window ring stages
      too: writing its slot would drop the oldest row it keeps before the
-     write is committed, so a half-done write could not be taken back.
+     write is committed, so a side-done write could not be taken back.
   2. `commit_kv(kv, layer, position, m)` makes the M rows part of the cache:
      on a TurboQuant layer it quantizes the K and V staging rows into packed
      codes + norms; on a ring it copies them into the ring; on a growing FP16
@@ -22,44 +22,17 @@ Storage grows in steps like mlx-lm's KVCache, so a token does not reallocate.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from .quant.config import TurboQuantConfig, get_preset
-from .quant.turboquant import LayerQuant, side_quant
-from .tq_kernels import tq_quantize
+from ..gpu.quantize import tq_quantize
+from ..quant.config import TurboQuantConfig, get_preset
+from ..quant.tables import SIDES, LayerQuant, side_quant
+from . import io
+from .spec import LayerSpec
 
-HALVES = ("k", "v")
-FILE_FORMAT = "turbospark-kv/1"
-FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Shape of one attention layer's KV.
-
-    Attributes:
-        n_kv_heads: KV heads.
-        head_dim: per-head dimension (K and V).
-        window: sliding-window size; the layer is then an FP16 ring.
-        shared_from: this layer attends over another (earlier) layer's KV
-            and owns no storage (gemma4's KV-shared layers).
-    """
-
-    n_kv_heads: int
-    head_dim: int
-    window: int | None = None
-    shared_from: int | None = None
 
 
 @dataclass
@@ -74,7 +47,7 @@ class _Layer:
     offset: int = 0
 
 
-class KvStage:
+class KVStage:
     """FP16 staging rows for compressed layers and rings.
 
     One K and one V array of shape (B, H, max_rows, D) per distinct (H, D)
@@ -87,14 +60,14 @@ class KvStage:
         self.max_rows = max_rows
         self.dtype = dtype
         self.rows: dict[tuple[int, int], dict[str, mx.array]] = {}
-        # (layer, half) -> (position, m) of the rows staged and not yet committed.
+        # (layer, side) -> (position, m) of the rows staged and not yet committed.
         self.pending: dict[tuple[int, str], tuple[int, int]] = {}
 
     def buffers(self, n_heads: int, head_dim: int) -> dict[str, mx.array]:
         key = (n_heads, head_dim)
         if key not in self.rows:
             shape = (self.batch_size, n_heads, self.max_rows, head_dim)
-            self.rows[key] = {h: mx.zeros(shape, dtype=self.dtype) for h in HALVES}
+            self.rows[key] = {h: mx.zeros(shape, dtype=self.dtype) for h in SIDES}
         return self.rows[key]
 
     @property
@@ -103,21 +76,21 @@ class KvStage:
 
 
 @dataclass(frozen=True)
-class KvTarget:
+class KVTarget:
     """Where `write` puts K or V rows for (layer, position): a slot or a staging row."""
 
-    kv: "KvCacheManager"
-    half: str
+    cache: "KVCacheManager"
+    side: str
     layer: int
     position: int
     staged: bool
 
     def write(self, rows: mx.array) -> None:
         """Write (B, H, M, D) rows for positions [position, position + M)."""
-        self.kv._write(self, rows)
+        self.cache._write(self, rows)
 
 
-class KvCacheManager:
+class KVCacheManager:
     """Per-layer KV storage: FP16, FP16 ring, or TurboQuant-packed.
 
     Args:
@@ -157,7 +130,7 @@ class KvCacheManager:
         self.max_context = max_context
         self.dtype = dtype
         self.step = step
-        self.stage = KvStage(batch_size, max_rows, dtype)
+        self.stage = KVStage(batch_size, max_rows, dtype)
         self._layers: dict[int, _Layer] = {}
         n = len(self.specs)
         for i, spec in enumerate(self.specs):
@@ -198,7 +171,7 @@ class KvCacheManager:
             if (owner.n_kv_heads, owner.head_dim, owner.window) != (spec.n_kv_heads, spec.head_dim, spec.window):
                 raise ValueError(f"layer {i} shares layer {src}'s KV but their shapes or windows differ")
 
-    def __deepcopy__(self, memo) -> "KvCacheManager":
+    def __deepcopy__(self, memo) -> "KVCacheManager":
         # Tables are immutable and shared; storage arrays get new objects, since
         # a slice update mutates the array object it is applied to.
         new = copy.copy(self)
@@ -222,6 +195,14 @@ class KvCacheManager:
             raise IndexError(f"layer {layer} out of range for a {self.n_layers}-layer cache")
         src = self.specs[layer].shared_from
         return layer if src is None else src
+
+    def owned_layers(self) -> dict[int, "_Layer"]:
+        """The layers that own storage, by index (for cache files and adapters)."""
+        return self._layers
+
+    def storage_layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+        """Name -> (trailing shape, dtype) of each storage array of `layer` (an owner)."""
+        return self._storage_layout(self._layers[layer])
 
     def _layer(self, layer: int) -> _Layer:
         return self._layers[self.owner(layer)]
@@ -358,17 +339,17 @@ class KvCacheManager:
             )
         return l
 
-    def _write(self, target: KvTarget, rows: mx.array) -> None:
+    def _write(self, target: KVTarget, rows: mx.array) -> None:
         l = self._check_rows(target.layer, target.position, rows)
         M = rows.shape[2]
         if target.staged:
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
-            buf[target.half][:, :, :M, :] = rows.astype(self.dtype)
+            buf[target.side][:, :, :M, :] = rows.astype(self.dtype)
         else:
-            name = "keys" if target.half == "k" else "values"
+            name = "keys" if target.side == "k" else "values"
             self._reserve(l, target.position + M)
             self._put(l, name, target.position, rows.astype(self.dtype))
-        self.stage.pending[(target.layer, target.half)] = (target.position, M)
+        self.stage.pending[(target.layer, target.side)] = (target.position, M)
 
     def _reserve(self, l: _Layer, end: int) -> None:
         """Grow storage in whole steps (up to the ring size) so that `end` positions fit."""
@@ -408,27 +389,27 @@ class KvCacheManager:
 
     def commit(self, layer: int, position: int, m: int) -> None:
         """See `commit_kv`."""
-        for half in HALVES:
-            if self.stage.pending.get((layer, half)) != (position, m):
+        for side in SIDES:
+            if self.stage.pending.get((layer, side)) != (position, m):
                 raise ValueError(
                     f"layer {layer}: commit of {m} rows at position {position} without matching "
-                    f"{half.upper()} rows written through kv_write_target"
+                    f"{side.upper()} rows written through kv_write_target"
                 )
         l = self._layers[layer]
         if self.is_staged(layer):
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
             rows = {}
-            for half in HALVES:
+            for side in SIDES:
                 if l.quant is None:  # ring: copy the FP16 rows in
-                    rows["keys" if half == "k" else "values"] = buf[half][:, :, :m]
+                    rows["keys" if side == "k" else "values"] = buf[side][:, :, :m]
                 else:
-                    codes, norms = tq_quantize(buf[half][:, :, :m], l.quant.side(half))
-                    rows[f"{half}_codes"], rows[f"{half}_norms"] = codes, norms
+                    codes, norms = tq_quantize(buf[side][:, :, :m], l.quant.side(side))
+                    rows[f"{side}_codes"], rows[f"{side}_norms"] = codes, norms
             self._reserve(l, position + m)
             for name, r in rows.items():
                 self._put(l, name, position, r)
-        for half in HALVES:
-            del self.stage.pending[(layer, half)]
+        for side in SIDES:
+            del self.stage.pending[(layer, side)]
         l.offset = position + m
 
     def slot_positions(self, layer: int, end: int) -> mx.array:
@@ -473,105 +454,30 @@ class KvCacheManager:
         if self.max_context is not None and offset > self.max_context:
             raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
-        for half in HALVES:
-            self.stage.pending.pop((layer, half), None)
+        for side in SIDES:
+            self.stage.pending.pop((layer, side), None)
 
     # -- state --------------------------------------------------------------
 
-    def _meta(self) -> dict[str, str]:
-        fingerprints = {
-            str(i): {h: q.side(h).fingerprint() for h in HALVES} for i, q in self.quant_tables().items()
-        }
-        return {
-            "format": FILE_FORMAT,
-            "config": json.dumps(asdict(self.config)),
-            "layers": json.dumps([asdict(s) for s in self.specs]),
-            "batch_size": str(self.batch_size),
-            "max_rows": str(self.max_rows),
-            "max_context": json.dumps(self.max_context),
-            "dtype": _dtype_name(self.dtype),
-            "step": str(self.step),
-            "offsets": json.dumps({str(i): l.offset for i, l in self._layers.items()}),
-            "capacities": json.dumps({str(i): l.capacity for i, l in self._layers.items()}),
-            "fingerprints": json.dumps(fingerprints),
-        }
-
-    def _tensors(self) -> dict[str, mx.array]:
-        return {f"layer.{i}.{name}": a for i, l in self._layers.items() for name, a in l.arrays.items()}
-
     def save(self, path: str) -> str:
-        """Save storage and layout to a safetensors file; returns the path written.
+        """Save storage and layout to a safetensors file, atomically; returns the path written.
 
         The file carries a SHA-256 digest of its tensors and metadata, so a
-        truncated or edited file is refused at load.
+        truncated or edited file is refused at load (`cache.io`).
         """
-        if self.stage.pending:
-            raise ValueError("cannot save with rows written but not committed")
-        if not path.endswith(".safetensors"):
-            path += ".safetensors"
-        tensors = self._tensors()
-        meta = self._meta()
-        meta["digest"] = _digest(tensors, meta)
-        mx.save_safetensors(path, tensors, metadata=meta)
-        return path
+        return io.save(self, path)
 
     @classmethod
-    def from_file(cls, path: str) -> "KvCacheManager":
+    def from_file(cls, path: str) -> "KVCacheManager":
         """Load a cache saved by `save`; a damaged or edited file raises ValueError."""
-        try:
-            tensors, meta = mx.load(path, return_metadata=True)
-        except Exception as e:  # safetensors reports truncation in several ways
-            raise ValueError(f"cannot read KV cache file {path!r}: {e}") from None
-        if meta.get("format") != FILE_FORMAT:
-            raise ValueError(f"{path!r} is not a {FILE_FORMAT} KV cache file (format={meta.get('format')!r})")
-        stored_digest = meta.pop("digest", None)
-        if stored_digest != _digest(tensors, meta):
-            raise ValueError(f"KV cache file {path!r} is corrupted: its digest does not match its contents")
-        try:
-            cfg = json.loads(meta["config"])
-            config = TurboQuantConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
-            cache = cls(
-                [LayerSpec(**s) for s in json.loads(meta["layers"])],
-                config,
-                batch_size=int(meta["batch_size"]),
-                max_rows=int(meta["max_rows"]),
-                max_context=json.loads(meta["max_context"]),
-                dtype=FLOAT_DTYPES[meta["dtype"]],
-                step=int(meta["step"]),
-            )
-            offsets = {int(k): v for k, v in json.loads(meta["offsets"]).items()}
-            capacities = {int(k): v for k, v in json.loads(meta["capacities"]).items()}
-            fingerprints = json.loads(meta["fingerprints"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"KV cache file {path!r} has invalid metadata: {e}") from None
-        if cache._meta()["fingerprints"] != json.dumps(fingerprints):
-            raise ValueError(
-                f"KV cache file {path!r} was written with different quant tables than this version builds"
-            )
-        for i, l in cache._layers.items():
-            cap, off = capacities.get(i), offsets.get(i)
-            ring = l.ring_capacity
-            if cap is None or off is None or off < 0 or cap < min(off, ring or off) or cap > (ring or cap):
-                raise ValueError(f"KV cache file {path!r}: bad offset/capacity for layer {i}")
-            layout = cache._storage_layout(l) if cap else {}
-            for name, (tail, dtype) in layout.items():
-                a = tensors.get(f"layer.{i}.{name}")
-                want = (cache.batch_size, l.spec.n_kv_heads, cap, *tail)
-                if a is None or a.shape != want or a.dtype != dtype:
-                    got = None if a is None else (a.shape, a.dtype)
-                    raise ValueError(f"KV cache file {path!r}: layer {i} {name} is {got}, expected {(want, dtype)}")
-                l.arrays[name] = a
-            l.capacity, l.offset = cap, off
-        if set(tensors) != set(cache._tensors()):
-            raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
-        return cache
+        return io.load(path, cls)
 
     def load_state(self, path: str) -> None:
         """Replace this cache's contents with a saved file of the same layout.
 
         The file is fully checked first; on any error this cache is unchanged.
         """
-        other = KvCacheManager.from_file(path)
+        other = KVCacheManager.from_file(path)
         mine = (self.config, self.specs, self.batch_size, self.dtype)
         theirs = (other.config, other.specs, other.batch_size, other.dtype)
         if mine != theirs:
@@ -579,35 +485,26 @@ class KvCacheManager:
         self.__dict__.update(other.__dict__)
 
 
-def _digest(tensors: dict[str, mx.array], meta: dict[str, str]) -> str:
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        a = tensors[name]
-        h.update(f"{name}:{a.shape}:{a.dtype}".encode())
-        h.update(np.asarray(a.reshape(-1).view(mx.uint8)).tobytes())
-    return h.hexdigest()
+def make_cache(model, kv: str | TurboQuantConfig = "tq4", **kwargs) -> KVCacheManager:
+    """A KVCacheManager laid out for `model` (anything with `kv_layer_specs()`).
 
-
-def make_cache(model, kv: str | TurboQuantConfig = "tq4", **kwargs) -> KvCacheManager:
-    """A KvCacheManager laid out for `model` (anything with `kv_layer_specs()`).
-
-    kwargs go to KvCacheManager (batch_size, max_rows, max_context, dtype, step).
+    kwargs go to KVCacheManager (batch_size, max_rows, max_context, dtype, step).
     """
-    return KvCacheManager(model.kv_layer_specs(), kv, **kwargs)
+    return KVCacheManager(model.kv_layer_specs(), kv, **kwargs)
 
 
-def kv_write_target(kv: KvCacheManager, half: str, layer: int, position: int) -> KvTarget:
-    """Where `layer`'s finished K (half="k") or V ("v") rows at `position` go.
+def kv_write_target(cache: KVCacheManager, side: str, layer: int, position: int) -> KVTarget:
+    """Where `layer`'s finished K (side="k") or V ("v") rows at `position` go.
 
     The cache slot on an FP16 layer; an FP16 staging row on a TurboQuant layer,
     which `commit_kv` then quantizes into the slot.
     """
-    if half not in HALVES:
-        raise ValueError(f"half must be 'k' or 'v', got {half!r}")
-    return KvTarget(kv, half, layer, position, staged=kv.is_staged(layer))
+    if side not in SIDES:
+        raise ValueError(f"side must be 'k' or 'v', got {side!r}")
+    return KVTarget(cache, side, layer, position, staged=cache.is_staged(layer))
 
 
-def commit_kv(kv: KvCacheManager, layer: int, position: int, m: int) -> None:
+def commit_kv(cache: KVCacheManager, layer: int, position: int, m: int) -> None:
     """Make M written rows at `position` part of `layer`'s cache.
 
     TurboQuant layer: K and V staging rows are quantized (M rows at once) into
@@ -615,14 +512,14 @@ def commit_kv(kv: KvCacheManager, layer: int, position: int, m: int) -> None:
     Growing FP16 layer: the rows are already in their slots; only the layer's
     offset advances.
     """
-    kv.commit(layer, position, m)
+    cache.commit(layer, position, m)
 
 
-def store_kv(kv: KvCacheManager, layer: int, position: int, keys: mx.array, values: mx.array) -> None:
+def store_kv(cache: KVCacheManager, layer: int, position: int, keys: mx.array, values: mx.array) -> None:
     """Write (B, H, M, D) keys and values at `position` and commit them."""
     if keys.shape != values.shape:
         raise ValueError(f"layer {layer}: keys {keys.shape} and values {values.shape} differ in shape")
-    kv._check_rows(layer, position, values)  # both halves valid before either is written
-    kv_write_target(kv, "k", layer, position).write(keys)
-    kv_write_target(kv, "v", layer, position).write(values)
-    commit_kv(kv, layer, position, keys.shape[2])
+    cache._check_rows(layer, position, values)  # both halves valid before either is written
+    kv_write_target(cache, "k", layer, position).write(keys)
+    kv_write_target(cache, "v", layer, position).write(values)
+    commit_kv(cache, layer, position, keys.shape[2])

@@ -14,9 +14,7 @@ MLX compiles one library per template instantiation. On CUDA the source handed t
 MLX #includes the kernel files by path and carries the template values as constants
 (`cuda_kernel`): MLX rebuilds and hashes that text on every call.
 
-`metal_source` reproduces the exact source MLX's `metal_kernel` compiles for a
-call (ml-explore/mlx `mlx/backend/common/metal_kernel.cpp`: `write_signature`,
-`write_template`, `make_template_hash`), for the CI compile check through a shim.
+The exact sources MLX compiles, for the CI compile checks, are rendered by `inspect.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ._kernels import kernel_source, kernels_dir
+from .sources import kernel_source, kernels_dir
 
 GPU_BACKENDS = ("metal", "cuda")
 
@@ -114,7 +112,7 @@ SPECS: dict[str, KernelSpec] = {
 }
 
 
-def _check(backend: str, op: str) -> KernelSpec:
+def check_op(backend: str, op: str) -> KernelSpec:
     if backend not in GPU_BACKENDS:
         raise ValueError(f"no kernel backend {backend!r}; kernel backends: {', '.join(GPU_BACKENDS)}")
     if op not in SPECS:
@@ -133,7 +131,7 @@ def ops_for(backend: str) -> list[str]:
 
 def render(op: str, backend: str) -> tuple[str, str]:
     """(header, body) of `op` for `backend`: prelude + shared helpers, and the body with tokens substituted."""
-    spec = _check(backend, op)
+    spec = check_op(backend, op)
     header = "\n".join(kernel_source(n) for n in (f"prelude_{backend}.h", "tq_common.h", *spec.headers))
     table = DIALECT[backend]
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, table)) + r")\b")
@@ -163,7 +161,7 @@ def kernel_name(op: str) -> str:
 def metal_kernel(op: str):
     """The MLX Metal kernel object of `op`, built once per process; template values are
     call arguments."""
-    spec = _check("metal", op)
+    spec = check_op("metal", op)
     header, body = render(op, "metal")
     return mx.fast.metal_kernel(
         name=kernel_name(op),
@@ -179,7 +177,7 @@ def launch(op: str, backend: str, template, shared_memory: int = 0, **call) -> l
     MLX's kernel call (inputs, grid, threadgroup, output_shapes, output_dtypes, ...)."""
     if backend == "cuda":
         return cuda_kernel(op, tuple(template), shared_memory)(**call)
-    _check(backend, op)
+    check_op(backend, op)
     return metal_kernel(op)(template=template, **call)
 
 
@@ -200,12 +198,12 @@ def _include_path(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _cuda_parts(op: str) -> tuple[str, str, str]:
+def cuda_parts(op: str) -> tuple[str, str, str]:
     """(header, body tail, kernel name) of `op` on CUDA: the dialect tokens as macros and
     the prelude and headers by #include; the body by #include, after a reference to each
     input shape it reads (MLX passes `<input>_shape` only if the source text names it).
     The name carries a digest of the files, as MLX caches modules by name + source text."""
-    spec = _check("cuda", op)
+    spec = check_op("cuda", op)
     files = ("prelude_cuda.h", "tq_common.h", *spec.headers, f"{op}.kernel")
     macros = "".join(f"#define {k} {v}\n" for k, v in DIALECT["cuda"].items())
     header = macros + "".join(f'#include "{_include_path(f)}"\n' for f in files[:-1])
@@ -228,7 +226,7 @@ def _cuda_constants(template) -> str:
         elif isinstance(v, int):
             out += f"constexpr int {n} = {v};\n"
         else:
-            out += f"using {n} = {_CUDA_TYPES[v]};\n"
+            out += f"using {n} = {CUDA_TYPES[v]};\n"
     return out
 
 
@@ -247,20 +245,20 @@ def _cuda_launch_bounds(op: str, template) -> str:
 
 def cuda_header(op: str, template) -> str:
     """The `header` given to mx.fast.cuda_kernel for `op` at these template values."""
-    return _cuda_parts(op)[0] + _cuda_launch_bounds(op, template)
+    return cuda_parts(op)[0] + _cuda_launch_bounds(op, template)
 
 
 def cuda_body(op: str, template) -> str:
     """The `source` given to mx.fast.cuda_kernel for `op` at these template values."""
-    return _cuda_constants(template) + _cuda_parts(op)[1]
+    return _cuda_constants(template) + cuda_parts(op)[1]
 
 
 @lru_cache(maxsize=None)
 def cuda_kernel(op: str, template: tuple, shared_memory: int = 0):
     """The MLX CUDA kernel object of `op` at these template values (a tuple of
     (name, value)), built once per process."""
-    spec = _check("cuda", op)
-    name = _cuda_parts(op)[2]
+    spec = check_op("cuda", op)
+    name = cuda_parts(op)[2]
     return mx.fast.cuda_kernel(
         name=name,
         input_names=list(spec.inputs),
@@ -271,127 +269,7 @@ def cuda_kernel(op: str, template: tuple, shared_memory: int = 0):
     )
 
 
-# -- the exact Metal source MLX would compile (for the CI shim check) ------
-
-_METAL_ATTRIBUTES = (  # order and types of mlx metal_kernel.cpp
-    ("dispatch_quadgroups_per_threadgroup", "uint"),
-    ("dispatch_simdgroups_per_threadgroup", "uint"),
-    ("dispatch_threads_per_threadgroup", "uint3"),
-    ("grid_origin", "uint3"),
-    ("grid_size", "uint3"),
-    ("quadgroup_index_in_threadgroup", "uint"),
-    ("quadgroups_per_threadgroup", "uint"),
-    ("simdgroup_index_in_threadgroup", "uint"),
-    ("simdgroups_per_threadgroup", "uint"),
-    ("thread_execution_width", "uint"),
-    ("thread_index_in_quadgroup", "uint"),
-    ("thread_index_in_simdgroup", "uint"),
-    ("thread_index_in_threadgroup", "uint"),
-    ("thread_position_in_grid", "uint3"),
-    ("thread_position_in_threadgroup", "uint3"),
-    ("threadgroup_position_in_grid", "uint3"),
-    ("threadgroups_per_grid", "uint3"),
-    ("threads_per_grid", "uint3"),
-    ("threads_per_simdgroup", "uint"),
-    ("threads_per_threadgroup", "uint3"),
-)
-
-_METAL_TYPES = {
-    mx.bool_: "bool",
-    mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-    mx.int8: "int8_t",
-    mx.int16: "int16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.float16: "float16_t",
-    mx.bfloat16: "bfloat16_t",
-    mx.float32: "float",
-}
-
-
-@dataclass(frozen=True)
-class ArgInfo:
-    """What MLX's signature depends on for one input: dtype, ndim, size."""
-
-    dtype: mx.Dtype
-    ndim: int
-    size: int
-
-    @classmethod
-    def of(cls, a: mx.array) -> "ArgInfo":
-        return cls(a.dtype, a.ndim, a.size)
-
-
-def _template_value(v) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    return _METAL_TYPES[v]
-
-
-def metal_source(
-    op: str,
-    inputs: list[ArgInfo],
-    output_dtypes: list[mx.Dtype],
-    template: list[tuple[str, object]],
-) -> tuple[str, str]:
-    """(kernel name, full source) that `mx.fast.metal_kernel` compiles for this call.
-
-    Mirrors mlx/backend/common/metal_kernel.cpp (MLX 0.32): inputs with fewer than
-    8 elements go in `constant` space, 0-d inputs are references, attributes are
-    found by substring in the body, and template kernels get an explicit
-    `[[host_name]]` instantiation. MLX prepends its utils.h at compile time.
-    """
-    spec = _check("metal", op)
-    header, body = render(op, "metal")
-    name = "custom_kernel_" + kernel_name(op)
-    template_def = ""
-    if template:
-        template_def = "<" + ", ".join(_template_value(v) for _, v in template) + ">"
-        name += "_" + template_def.replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
-    for a in inputs:
-        name += "_" + _METAL_TYPES[a.dtype] + ("s" if a.ndim == 0 else "c" if a.size < 8 else "")
-    for d in output_dtypes:
-        name += "_" + _METAL_TYPES[d]
-
-    src = header
-    if template:
-        kinds = [
-            "bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
-            for _, v in template
-        ]
-        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">\n"
-    args = []
-    index = 0
-    for n, a in zip(spec.inputs, inputs):
-        space = "constant" if a.size < 8 else "device"
-        ref = "&" if a.ndim == 0 else "*"
-        args.append(f"  const {space} {_METAL_TYPES[a.dtype]}{ref} {n} [[buffer({index})]]")
-        index += 1
-        if a.ndim > 0:
-            for suffix, decl in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*")):
-                if n + suffix in body:
-                    args.append(f"  {decl} {n}{suffix} [[buffer({index})]]")
-                    index += 1
-            if n + "_ndim" in body:
-                args.append(f"  const constant int& {n}_ndim [[buffer({index})]]")
-                index += 1
-    for n, d in zip(spec.outputs, output_dtypes):
-        args.append(f"  device {_METAL_TYPES[d]}* {n} [[buffer({index})]]")
-        index += 1
-    args += [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRIBUTES if a in body]
-    src += f"[[kernel]] void {name}(\n" + ",\n".join(args) + ") {\n" + body + "\n}\n"
-    if template:
-        inst = name + template_def
-        src += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
-    return name, src
-
-
-_CUDA_TYPES = {
+CUDA_TYPES = {
     mx.bool_: "bool",
     mx.uint8: "uint8_t",
     mx.uint32: "uint32_t",
@@ -400,29 +278,3 @@ _CUDA_TYPES = {
     mx.bfloat16: "__nv_bfloat16",
     mx.float32: "float",
 }
-
-
-def cuda_source(op: str, inputs: list[ArgInfo], output_dtypes: list[mx.Dtype], template) -> str:
-    """The source `mx.fast.cuda_kernel` compiles for this `launch`, less MLX's own includes
-    (mlx/backend/cuda/custom_kernel.cpp `build_kernel`); the kernel files are #included."""
-    spec = _check("cuda", op)
-    name = _cuda_parts(op)[2]
-    header = cuda_header(op, template)
-    body = cuda_body(op, template)
-    args = []
-    for n, a in zip(spec.inputs, inputs):
-        args.append(f"    const {_CUDA_TYPES[a.dtype]}* {n}")
-        if a.ndim > 0:
-            for suffix, t in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
-                if n + suffix in body:
-                    args.append(f"    const __grid_constant__ {t} {n}{suffix}")
-    args += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, output_dtypes)]
-    return (
-        header
-        + "\nnamespace mlx::core::cu {\n\n"
-        + f"__global__ void custom_kernel_{name}(\n"
-        + ",\n".join(args)
-        + ") {\n"
-        + body
-        + "\n}\n\n} // namespace mlx::core::cu\n"
-    )

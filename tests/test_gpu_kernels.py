@@ -15,13 +15,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turbospark_mlx import KvCacheManager, LayerSpec, attention_any, commit_kv, kv_write_target, tq_kernels
-from turbospark_mlx.attention import attention_mask, tq_attention_ref
-from turbospark_mlx.backend import auto_backend, use_backend
+from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, commit_kv, kv_write_target
+from turbospark_mlx.attention import attention_mask
+from turbospark_mlx.gpu import decode_mma
+from turbospark_mlx.gpu.backend import KernelUnsupported, auto_backend, use_backend
+from turbospark_mlx.gpu.decode import tq_decode_attention
+from turbospark_mlx.gpu.quantize import tq_quantize
 from turbospark_mlx.quant.packing import unpack_indices
-from turbospark_mlx.quant.turboquant import LayerQuant, quantize_ref, side_quant
-from turbospark_mlx.backend import KernelUnsupported
-from turbospark_mlx.tq_kernels import tq_decode_attention, tq_quantize
+from turbospark_mlx.quant.reference import quantize_ref, tq_attention_ref
+from turbospark_mlx.quant.tables import LayerQuant, side_quant
 
 pytestmark = pytest.mark.gpu
 
@@ -185,7 +187,7 @@ def test_mma_calls_without_dependency_in_one_eval(monkeypatch):
     call evaluated alone, and the tickets are back at zero."""
     if BACKEND != "cuda":
         pytest.skip("the tensor-core decode kernel runs on CUDA only")
-    monkeypatch.setattr(tq_kernels, "_MMA_CHAIN", {})
+    monkeypatch.setattr(decode_mma, "_MMA_CHAIN", {})
     quant = _quant(4, 4, 128)
     kc, kn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.k)
     vc, vn = quantize_ref(mx.random.normal((1, 8, 3000, 128)), quant.v)
@@ -199,13 +201,13 @@ def test_mma_calls_without_dependency_in_one_eval(monkeypatch):
 
     outs = [call(q) for q in qs]
     mx.eval(outs)
-    scratch = tq_kernels._MMA_CHAIN[mx.float32][0]
+    scratch = decode_mma._MMA_CHAIN[mx.float32][0]
     for q, out in zip(qs, outs):
         alone = call(q)
         mx.eval(alone)
         assert mx.array_equal(out, alone).item()
-    assert tq_kernels._MMA_CHAIN[mx.float32][0] is scratch
-    assert mx.max(scratch[: tq_kernels.MMA_TICKET_WORDS]).item() == 0
+    assert decode_mma._MMA_CHAIN[mx.float32][0] is scratch
+    assert mx.max(scratch[: decode_mma.MMA_TICKET_WORDS]).item() == 0
 
 
 def test_mma_variant_refuses_what_it_cannot_serve():
@@ -234,7 +236,7 @@ def test_cache_paths_use_kernels_and_match_reference():
     def run(backend):
         mx.random.seed(11)
         with use_backend(backend):
-            cache = KvCacheManager(specs, kv="k8v4", max_rows=16)
+            cache = KVCacheManager(specs, kv="k8v4", max_rows=16)
             assert all(cache.layer_quant(i) is not None for i in range(2))
             outs = []
             pos = 0

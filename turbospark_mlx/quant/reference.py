@@ -1,0 +1,148 @@
+"""The plain-mx backend and the oracles of every kernel (the `_ref` functions).
+
+TurboQuant_mse (arXiv 2504.19874, Algorithm 1):
+
+    quantize:    y = Π (x / ||x||);  idx_j = #{boundaries < y_j};  store (idx, ||x||)
+    dequantize:  x̂ = ||x|| · Πᵀ c[idx]
+
+and attention computed in the rotated space, straight from the codes:
+
+    q' = Π_K q;  s_i = scale · ||k_i|| · Σ_j q'_j c_K[idx_ij]
+    p = softmax(s, sink);  o' = Σ_i p_i ||v_i|| c_V[idx_v_i];  o = Π_Vᵀ o'
+
+These run on the CPU backend and are what `turbospark_mlx.gpu`'s kernels are tested
+against. The QJL ("prod") variant of the paper is left out: it removes inner-product
+bias but adds variance that softmax amplifies.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .packing import pack_indices, unpack_indices
+from .tables import LayerQuant, SideQuant
+
+# Keys per block of the reference TurboQuant attention (bounds its float32 working set).
+REF_KEY_BLOCK = 256
+
+
+def nearest_index_ref(y: mx.array, boundaries: mx.array, bits: int) -> mx.array:
+    """Index of the Lloyd-Max cell of each y: the count of boundaries strictly below it.
+
+    A branchless binary search (bits steps of one gather), so memory stays
+    O(size of y) even for 8-bit codebooks.
+    """
+    idx = mx.zeros(y.shape, dtype=mx.uint32)
+    for step in (1 << s for s in reversed(range(bits))):
+        probe = mx.take(boundaries, idx + (step - 1))
+        idx = idx + mx.where(y > probe, step, 0).astype(mx.uint32)
+    return idx
+
+
+def quantize_ref(x: mx.array, tables: SideQuant) -> tuple[mx.array, mx.array]:
+    """(..., d) vectors → ((..., words) uint32 codes, (...,) float32 norms)."""
+    x = x.astype(mx.float32)
+    norms = mx.sqrt(mx.sum(x * x, axis=-1))
+    # A zero vector maps to the middle cell and decodes to 0 through its norm.
+    unit = x / mx.maximum(norms, 1e-30)[..., None]
+    idx = nearest_index_ref(tables.rotation.apply(unit), tables.boundaries, tables.bits)
+    return pack_indices(idx, tables.bits), norms
+
+
+def dequantize_rotated_ref(codes: mx.array, norms: mx.array, tables: SideQuant) -> mx.array:
+    """||x|| · c[idx]: the reconstruction in the rotated space, float32."""
+    idx = unpack_indices(codes, tables.bits, tables.head_dim)
+    return mx.take(tables.centroids, idx) * norms[..., None]
+
+
+def dequantize_ref(codes: mx.array, norms: mx.array, tables: SideQuant) -> mx.array:
+    """x̂ = ||x|| · Πᵀ c[idx], float32."""
+    return tables.rotation.invert(dequantize_rotated_ref(codes, norms, tables))
+
+
+def fp16_attention_ref(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Dense attention in float32 with GQA, a boolean mask and sinks (the test oracle)."""
+    B, Hq, M, D = queries.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
+    k = keys.astype(mx.float32)[:, :, None]  # (B, Hkv, 1, L, D)
+    v = values.astype(mx.float32)[:, :, None]
+    scores = scale * (q @ k.swapaxes(-1, -2))  # (B, Hkv, G, M, L)
+    out = _softmax_weighted(scores, v, mask, sinks, Hkv, G)
+    return out.reshape(B, Hq, M, -1).astype(queries.dtype)
+
+
+def tq_attention_ref(
+    queries: mx.array,
+    k_codes: mx.array,
+    k_norms: mx.array,
+    v_codes: mx.array,
+    v_norms: mx.array,
+    quant: LayerQuant,
+    *,
+    scale: float,
+    mask: mx.array | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """TurboQuant attention from packed codes, computed in the rotated space.
+
+    Args:
+        queries: (B, Hq, M, D).
+        k_codes, v_codes: (B, Hkv, L, words) uint32; k_norms, v_norms: (B, Hkv, L) float32.
+        quant: the layer's K and V tables.
+        mask: (B or 1, 1, M, L) bool, True where a key is visible.
+        sinks: (Hq,) per-head sink logits, or None.
+    Returns:
+        (B, Hq, M, D) in the queries' dtype.
+    """
+    B, Hq, M, D = queries.shape
+    Hkv, L = k_codes.shape[1], k_codes.shape[2]
+    G = Hq // Hkv
+    q_rot = quant.k.rotation.apply(queries).reshape(B, Hkv, G, M, D)  # q' = Π_K q, once per step
+    # Online softmax over key blocks: only one block of keys is ever decoded to
+    # float32, so the working memory of a step does not grow with the context.
+    m = mx.full((B, Hkv, G, M, 1), -mx.inf)
+    denom = mx.zeros((B, Hkv, G, M, 1))
+    if sinks is not None:  # the sink is one more logit in the denominator, with no value
+        m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), m.shape)
+        denom = mx.ones(m.shape)
+    acc = mx.zeros((B, Hkv, G, M, D))
+    for s in range(0, L, REF_KEY_BLOCK):
+        e = min(L, s + REF_KEY_BLOCK)
+        k_rot = dequantize_rotated_ref(k_codes[:, :, s:e], k_norms[:, :, s:e], quant.k)[:, :, None]
+        v_rot = dequantize_rotated_ref(v_codes[:, :, s:e], v_norms[:, :, s:e], quant.v)[:, :, None]
+        scores = scale * (q_rot @ k_rot.swapaxes(-1, -2))  # (B, Hkv, G, M, block)
+        if mask is not None:
+            scores = mx.where(mask[:, :, None, :, s:e], scores, -mx.inf)
+        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
+        m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows that have seen no key yet
+        alpha = mx.exp(m - m_safe)
+        p = mx.exp(scores - m_safe)
+        denom = denom * alpha + p.sum(axis=-1, keepdims=True)
+        acc = acc * alpha + p @ v_rot
+        m = m_new
+    out = quant.v.rotation.invert(acc / denom)  # o = Π_Vᵀ o', once per step
+    return out.reshape(B, Hq, M, D).astype(queries.dtype)
+
+
+def _softmax_weighted(scores, values, mask, sinks, n_kv_heads: int, group: int) -> mx.array:
+    """softmax over keys (and a per-head sink logit), then the weighted sum of values."""
+    if mask is not None:
+        scores = mx.where(mask[:, :, None], scores, -mx.inf)  # mask (B, 1, M, L) -> (B, 1, 1, M, L)
+    if sinks is not None:
+        sink = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, n_kv_heads, group, 1, 1), (*scores.shape[:-1], 1)
+        )
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1)
+    return probs @ values

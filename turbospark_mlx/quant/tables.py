@@ -1,0 +1,76 @@
+"""The TurboQuant tables of a compressed layer: per side (K, V) a seeded rotation and a
+Lloyd-Max codebook (arXiv 2504.19874, Algorithm 1). The plain-mx quantizer and attention
+that use them are in `reference.py`; the GPU kernels in `turbospark_mlx.gpu`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from .codebook import lloyd_max_codebook
+from .packing import packed_words
+from .rotation import Rotation, seeded_rng
+
+SIDES = ("k", "v")
+
+
+@dataclass(frozen=True, eq=False)
+class SideQuant:
+    """Quant tables of one side (K or V) of one layer.
+
+    Attributes:
+        bits: bits per coordinate.
+        head_dim: d.
+        rotation: the seeded Π.
+        centroids: (2**bits,) float32 Lloyd-Max centroids for f_d.
+        boundaries: (2**bits - 1,) float32 decision boundaries.
+        words: uint32 words per packed vector.
+    """
+
+    bits: int
+    head_dim: int
+    rotation: Rotation
+    centroids: mx.array
+    boundaries: mx.array
+    words: int
+
+    def fingerprint(self) -> str:
+        """A digest of the tables, to tell whether stored codes still decode the same."""
+        h = hashlib.sha256()
+        h.update(f"{self.bits}:{self.head_dim}:{self.rotation.kind}".encode())
+        for a in (self.centroids, self.boundaries, self.rotation.signs, self.rotation.matrix):
+            if a is not None:
+                h.update(np.asarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerQuant:
+    """The TurboQuant tables of one compressed layer: K and V sides."""
+
+    layer: int
+    k: SideQuant
+    v: SideQuant
+
+    def side(self, name: str) -> SideQuant:
+        return self.k if name == "k" else self.v
+
+
+@lru_cache(maxsize=None)
+def side_quant(bits: int, head_dim: int, rotation: str, seed: int, layer: int, side: str) -> SideQuant:
+    """Tables for (layer, side): the rotation is seeded per (seed, layer, side)."""
+    cb = lloyd_max_codebook(head_dim, bits)
+    rng = seeded_rng(seed, layer, SIDES.index(side))
+    return SideQuant(
+        bits=bits,
+        head_dim=head_dim,
+        rotation=Rotation.make(rotation, head_dim, rng),
+        centroids=mx.array(cb.centroids),
+        boundaries=mx.array(cb.boundaries),
+        words=packed_words(head_dim, bits),
+    )
