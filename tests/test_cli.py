@@ -3,7 +3,7 @@
 import importlib.util
 
 import pytest
-from test_load import CONFIG, random_model, write_hf_dir
+from test_loading import CONFIG, random_model, write_hf_dir
 
 from turbospark_mlx import cli
 

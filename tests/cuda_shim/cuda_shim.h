@@ -1,5 +1,5 @@
 // A small CUDA shim for a CPU-side type check of the generated CUDA kernels
-// (tests/test_kernels_metal.py::test_cuda_kernels_typecheck_through_shim): enough of
+// (tests/test_gpu_compile.py::test_cuda_kernels_typecheck_through_shim): enough of
 // the CUDA runtime names for clang -fsyntax-only on the source MLX's cuda_kernel builds.
 #pragma once
 #include <math.h>

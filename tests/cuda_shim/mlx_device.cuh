@@ -1,5 +1,5 @@
 // Stand-in for MLX's "mlx/backend/cuda/device/utils.cuh" when nvcc compiles the source
-// MLX's cuda_kernel builds (tests/test_kernels_metal.py::test_cuda_kernels_compile_nvcc):
+// MLX's cuda_kernel builds (tests/test_gpu_compile.py::test_cuda_mma_kernel_compiles_with_nvcc):
 // the fp16/bf16 types and the Shape / Strides argument types of generated signatures.
 #pragma once
 #include <cooperative_groups.h>

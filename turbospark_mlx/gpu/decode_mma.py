@@ -181,7 +181,7 @@ def _mma_regs(quant: LayerQuant, head_dim: int, RP: int) -> int:
     """Registers per thread a variant wants (sm_90, tests' nvcc compile): ~128 for 2/3/4-bit K
     at D <= 128 with 8 rows, up to ~168 with 8-bit K or 16 rows, more at D 256. Only variants
     at <= 128 get 16 warps; every build is bounded to its block size anyway
-    (kernel_build._cuda_launch_bounds), so this chooses speed (no spills), not launchability."""
+    (build._cuda_launch_bounds), so this chooses speed (no spills), not launchability."""
     if head_dim <= 128:
         return 128 if (RP == 8 and quant.k.bits != 8) else 168
     return 255
