@@ -93,6 +93,8 @@ def attention_any(
     q_pos = mx.arange(position, end)
 
     if quant is not None:
+        if cache.config.is_protected:
+            return _protected_attention(cache, layer, queries, position, scale, sinks, kv_start)
         backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
         if backend != "reference":
             return tq_decode_attention(
@@ -135,6 +137,45 @@ def attention_any(
         mask = attention_mask(cache.slot_positions(layer, end), q_pos, kv_start, spec.window)
     return mx.fast.scaled_dot_product_attention(
         queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array:
+    """A protected TurboQuant layer: each query row t reads its sink rows and the positions
+    (t - window, t] in FP16 and older positions from the codes, in one softmax."""
+    # The decode kernels read codes only: the FP16 rows and the key mean are not wired in.
+    _backend.resolve("FP16 window / sink rows / key centring (a preset with window_rows, sink_rows "
+                     "or center_keys) have no kernel path")
+    config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
+    S, W = config.sink_rows, config.window_rows
+    M = queries.shape[2]
+    end = position + M
+    t = mx.arange(position, end)[:, None]  # (M, 1) query positions
+    start = mx.array(kv_start).reshape(-1, 1, 1, 1)
+    n_sinks = min(S, end)
+    sp = mx.arange(n_sinks)[None, :]
+    rp = cache.recent_positions(layer, end)[None, :]  # -1 where unwritten
+    sink_mask = sp <= t
+    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp > t - W)  # sink rows are read from their array
+    positions = mx.concatenate([sp, rp], axis=1)
+    dense_mask = mx.concatenate([sink_mask, ring_mask], axis=1)[None, None] & (positions[None, None] >= start)
+    keys = mx.concatenate([arrays["k_sinks"][:, :, :n_sinks], arrays["k_recent"]], axis=2)
+    values = mx.concatenate([arrays["v_sinks"][:, :, :n_sinks], arrays["v_recent"]], axis=2)
+    q_end = cache.quantized_end(layer, end)
+    kp = mx.arange(q_end)[None, :]
+    code_mask = ((kp >= S) & (kp <= t - W))[None, None] & (kp[None, None] >= start)
+    return tq_attention_ref(
+        queries,
+        arrays["k_codes"][:, :, :q_end],
+        arrays["k_norms"][:, :, :q_end],
+        arrays["v_codes"][:, :, :q_end],
+        arrays["v_norms"][:, :, :q_end],
+        quant,
+        scale=scale,
+        mask=code_mask,
+        sinks=sinks,
+        dense=(keys, values, dense_mask),
+        key_mean=arrays["k_mean"] if config.center_keys and q_end > S else None,
     )
 
 

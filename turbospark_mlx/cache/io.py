@@ -134,6 +134,12 @@ def load(path: str, cls: type):
                 got = None if a is None else (a.shape, a.dtype)
                 raise ValueError(f"KV cache file {path!r}: layer {i} {name} is {got}, expected {(want, dtype)}")
             l.arrays[name] = a
+        for name, (shape, dtype) in cache.fixed_layout(i).items():
+            a = tensors.get(f"layer.{i}.{name}")
+            if a is None or a.shape != shape or a.dtype != dtype:
+                got = None if a is None else (a.shape, a.dtype)
+                raise ValueError(f"KV cache file {path!r}: layer {i} {name} is {got}, expected {(shape, dtype)}")
+            l.arrays[name] = a
         l.capacity, l.offset = cap, off
     if set(tensors) != set(_tensors(cache)):
         raise ValueError(f"KV cache file {path!r} holds unexpected tensors")

@@ -42,6 +42,9 @@ class _Layer:
     spec: LayerSpec
     quant: LayerQuant | None
     ring_capacity: int | None
+    # A protected TurboQuant layer (window / sink rows / centring): slots of its FP16 ring of
+    # recent rows (window_rows + max_rows, so an M-row chunk never overwrites a row it needs).
+    recent_capacity: int = 0
     arrays: dict[str, mx.array] = field(default_factory=dict)
     capacity: int = 0
     offset: int = 0
@@ -154,7 +157,11 @@ class KVCacheManager:
             # A ring keeps max_rows - 1 positions beyond its window, so an
             # M-row write never overwrites a key that a row of the same chunk needs.
             ring = spec.window + max_rows - 1 if sliding else None
-            self._layers[i] = _Layer(spec, quant, ring)
+            l = self._layers[i] = _Layer(spec, quant, ring)
+            if quant is not None and self.config.is_protected:
+                l.recent_capacity = self.config.window_rows + max_rows
+                for name, (shape, dtype) in self._fixed_layout(l).items():
+                    l.arrays[name] = mx.zeros(shape, dtype=dtype)
 
     def _check_spec(self, i: int, spec: LayerSpec) -> None:
         if spec.n_kv_heads < 1 or spec.head_dim < 1:
@@ -258,6 +265,11 @@ class KVCacheManager:
                         f"cannot trim {n} positions: sliding layer {i} keeps only "
                         f"{l.ring_capacity - l.spec.window + 1} positions beyond its window"
                     )
+            if l.recent_capacity and n > l.recent_capacity - self.config.window_rows:
+                raise ValueError(
+                    f"cannot trim {n} positions: layer {i} keeps only {self.max_rows} FP16 rows "
+                    "beyond its window to quantize again"
+                )
         for l in self._layers.values():
             l.offset -= n
         self.stage.pending.clear()
@@ -291,6 +303,9 @@ class KVCacheManager:
                 l = self._layers[i]
                 if l.quant is not None:
                     kind = f"turboquant k{l.quant.k.bits}v{l.quant.v.bits}"
+                    if l.recent_capacity:
+                        kind += f" w{self.config.window_rows}s{self.config.sink_rows}"
+                        kind += "c" if self.config.center_keys else ""
                 elif l.ring_capacity is not None:
                     kind = f"fp16 ring w={spec.window} cap={l.ring_capacity}"
                 else:
@@ -377,6 +392,38 @@ class KVCacheManager:
             "v_norms": ((), mx.float32),
         }
 
+    def _fixed_layout(self, l: _Layer) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+        """Name -> (shape, dtype) of a protected layer's fixed-size arrays: the FP16 ring of
+        recent rows, the FP16 sink rows and the key mean (empty for other layers)."""
+        if not l.recent_capacity:
+            return {}
+        B, H, D = self.batch_size, l.spec.n_kv_heads, l.spec.head_dim
+        out = {f"{s}_recent": ((B, H, l.recent_capacity, D), self.dtype) for s in SIDES}
+        out.update({f"{s}_sinks": ((B, H, self.config.sink_rows, D), self.dtype) for s in SIDES})
+        if self.config.center_keys:
+            out["k_mean"] = ((B, H, D), mx.float32)
+        return out
+
+    def fixed_layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+        """Name -> (shape, dtype) of `layer`'s fixed-size arrays (a protected TurboQuant layer)."""
+        return self._fixed_layout(self._layers[layer])
+
+    def quantized_end(self, layer: int, end: int | None = None) -> int:
+        """Positions below this are read from codes once `end` positions are committed (on a
+        protected layer: all but the sink rows and the newest window_rows)."""
+        l = self._layer(layer)
+        end = l.offset if end is None else end
+        if not l.recent_capacity:
+            return end
+        return max(self.config.sink_rows, end - self.config.window_rows)
+
+    def recent_positions(self, layer: int, end: int) -> mx.array:
+        """Position held by each slot of a protected layer's recent ring once `end` positions
+        are written (-1: not written)."""
+        cap = self._layer(layer).recent_capacity
+        s = mx.arange(cap)
+        return mx.where(s < end, s + cap * ((end - 1 - s) // cap), -1)
+
     def _put(self, l: _Layer, name: str, position: int, rows: mx.array) -> None:
         """Slice-update rows at `position` (wrapping on a ring)."""
         M = rows.shape[2]
@@ -396,7 +443,9 @@ class KVCacheManager:
                     f"{side.upper()} rows written through kv_write_target"
                 )
         l = self._layers[layer]
-        if self.is_staged(layer):
+        if l.recent_capacity:
+            self._commit_protected(l, position, m)
+        elif self.is_staged(layer):
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
             rows = {}
             for side in SIDES:
@@ -411,6 +460,39 @@ class KVCacheManager:
         for side in SIDES:
             del self.stage.pending[(layer, side)]
         l.offset = position + m
+
+    def _commit_protected(self, l: _Layer, position: int, m: int) -> None:
+        """Commit on a protected layer: the rows go to the FP16 ring (and the sink rows), and
+        the rows that leave the window by this commit are quantized from the ring."""
+        S, W, R = self.config.sink_rows, self.config.window_rows, l.recent_capacity
+        end = position + m
+        buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
+        for side in SIDES:
+            rows = buf[side][:, :, :m]
+            if position < S:
+                n = min(S, end) - position
+                l.arrays[f"{side}_sinks"][:, :, position : position + n] = rows[:, :, :n]
+            ring = l.arrays[f"{side}_recent"]
+            start = position % R
+            first = min(m, R - start)
+            ring[:, :, start : start + first] = rows[:, :, :first]
+            if first < m:
+                ring[:, :, : m - first] = rows[:, :, first:]
+        self._reserve(l, end)
+        q0, q1 = max(S, position - W), max(S, end - W)
+        if q1 <= q0:
+            return
+        if self.config.center_keys and q0 == S:  # the first quantized rows: estimate the mean
+            at = mx.array([p % R for p in range(S, S + W)])
+            l.arrays["k_mean"] = mx.take(l.arrays["k_recent"], at, axis=2).astype(mx.float32).mean(axis=2)
+        at = mx.array([p % R for p in range(q0, q1)])
+        for side in SIDES:
+            rows = mx.take(l.arrays[f"{side}_recent"], at, axis=2)
+            if side == "k" and self.config.center_keys:
+                rows = rows.astype(mx.float32) - l.arrays["k_mean"][:, :, None, :]
+            codes, norms = tq_quantize(rows, l.quant.side(side))
+            self._put(l, f"{side}_codes", q0, codes)
+            self._put(l, f"{side}_norms", q0, norms)
 
     def slot_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each storage slot [0, capacity) once `end` positions are written.
@@ -437,6 +519,11 @@ class KVCacheManager:
         l = self._layers[layer]
         if l.ring_capacity is not None:
             raise ValueError(f"layer {layer} is a sliding-window ring; only growing layers can be set")
+        if l.recent_capacity:
+            raise ValueError(
+                f"layer {layer} keeps FP16 window / sink rows (preset {self.config.name!r}); "
+                "only unprotected layers can be set from arrays"
+            )
         layout = self._storage_layout(l) if arrays else {}
         if set(arrays) != set(layout):
             raise ValueError(

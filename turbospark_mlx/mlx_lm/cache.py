@@ -42,6 +42,11 @@ def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
     rotations are therefore those the preset's seed gives layer 0, the same in
     every layer (TurboQuant only needs each rotation random, not distinct).
     """
+    if config.is_protected:
+        raise NotImplementedError(
+            f"preset {config.name!r} keeps FP16 window / sink rows or centres keys "
+            "(window_rows, sink_rows, center_keys); the mlx-lm adapter stores plain TurboQuant layers only"
+        )
     return config.with_(name=config.name, fp16_first=0, fp16_last=0, fp16_layers=(), quantize_layers=None)
 
 

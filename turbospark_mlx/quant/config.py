@@ -41,6 +41,12 @@ class TurboQuantConfig:
         quantize_layers: if set, exactly these layers are compressed (the
             first/last rules then do not apply). Sliding-window layers are
             always FP16 rings; naming one here is an error.
+        window_rows: a compressed layer keeps its newest W positions in FP16 and
+            quantizes a row when it leaves this window (0: every row on write).
+        sink_rows: a compressed layer keeps its first S positions in FP16.
+        center_keys: subtract each KV head's per-channel key mean (over the W
+            positions after the sink rows) before quantizing keys; attention adds
+            q·mean back to the scores of quantized keys. Needs window_rows >= 1.
     """
 
     name: str
@@ -52,6 +58,9 @@ class TurboQuantConfig:
     fp16_last: int = 0
     fp16_layers: tuple[int, ...] = ()
     quantize_layers: tuple[int, ...] | None = None
+    window_rows: int = 0
+    sink_rows: int = 0
+    center_keys: bool = False
 
     def __post_init__(self):
         is_fp16 = (self.k_bits, self.v_bits) == (FP16_BITS, FP16_BITS)
@@ -67,6 +76,13 @@ class TurboQuantConfig:
             )
         if min(self.fp16_first, self.fp16_last) < 0:
             raise ValueError(f"preset {self.name!r}: fp16_first/fp16_last must be >= 0")
+        if min(self.window_rows, self.sink_rows) < 0:
+            raise ValueError(f"preset {self.name!r}: window_rows and sink_rows must be >= 0")
+        if self.center_keys and self.window_rows < 1:
+            raise ValueError(
+                f"preset {self.name!r}: center_keys estimates the mean over the FP16 window: "
+                "it needs window_rows >= 1"
+            )
         object.__setattr__(self, "fp16_layers", tuple(self.fp16_layers))
         if self.quantize_layers is not None:
             object.__setattr__(self, "quantize_layers", tuple(self.quantize_layers))
@@ -75,6 +91,11 @@ class TurboQuantConfig:
     def is_fp16(self) -> bool:
         """True when no layer is compressed."""
         return self.k_bits == FP16_BITS
+
+    @property
+    def is_protected(self) -> bool:
+        """True when compressed layers keep FP16 rows (window, sinks) or centre their keys."""
+        return not self.is_fp16 and bool(self.window_rows or self.sink_rows or self.center_keys)
 
     def side_bytes_per_token(self, bits: int, head_dim: int) -> int:
         if bits == FP16_BITS:

@@ -92,6 +92,8 @@ def tq_attention_ref(
     scale: float,
     mask: mx.array | None = None,
     sinks: mx.array | None = None,
+    dense: tuple[mx.array, mx.array, mx.array] | None = None,
+    key_mean: mx.array | None = None,
 ) -> mx.array:
     """TurboQuant attention from packed codes, computed in the rotated space.
 
@@ -101,12 +103,17 @@ def tq_attention_ref(
         quant: the layer's K and V tables.
         mask: (B or 1, 1, M, L) bool, True where a key is visible.
         sinks: (Hq,) per-head sink logits, or None.
+        dense: FP16 rows attended in the same softmax: (keys, values, mask) with keys and
+            values (B, Hkv, Ld, D) and mask (B or 1, 1, M, Ld) (a layer's window and sink rows).
+        key_mean: (B, Hkv, D) mean subtracted from the keys before quantizing: q·mean is
+            added to the scores of quantized keys, so all keys share one score scale.
     Returns:
         (B, Hq, M, D) in the queries' dtype.
     """
     B, Hq, M, D = queries.shape
     Hkv, L = k_codes.shape[1], k_codes.shape[2]
     G = Hq // Hkv
+    q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
     q_rot = quant.k.rotation.apply(queries).reshape(B, Hkv, G, M, D)  # q' = Π_K q, once per step
     # Online softmax over key blocks: only one block of keys is ever decoded to
     # float32, so the working memory of a step does not grow with the context.
@@ -116,13 +123,11 @@ def tq_attention_ref(
         m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), m.shape)
         denom = mx.ones(m.shape)
     acc = mx.zeros((B, Hkv, G, M, D))
-    for s in range(0, L, REF_KEY_BLOCK):
-        e = min(L, s + REF_KEY_BLOCK)
-        k_rot = dequantize_rotated_ref(k_codes[:, :, s:e], k_norms[:, :, s:e], quant.k)[:, :, None]
-        v_rot = dequantize_rotated_ref(v_codes[:, :, s:e], v_norms[:, :, s:e], quant.v)[:, :, None]
-        scores = scale * (q_rot @ k_rot.swapaxes(-1, -2))  # (B, Hkv, G, M, block)
-        if mask is not None:
-            scores = mx.where(mask[:, :, None, :, s:e], scores, -mx.inf)
+
+    def update(scores, v_rot, visible):
+        nonlocal m, denom, acc
+        if visible is not None:
+            scores = mx.where(visible[:, :, None], scores, -mx.inf)
         m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
         m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows that have seen no key yet
         alpha = mx.exp(m - m_safe)
@@ -130,6 +135,20 @@ def tq_attention_ref(
         denom = denom * alpha + p.sum(axis=-1, keepdims=True)
         acc = acc * alpha + p @ v_rot
         m = m_new
+
+    if dense is not None:  # FP16 rows: scores need no rotation (q'·k' = q·k); V goes to Π_V v
+        keys, values, dense_mask = dense
+        scores = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
+        update(scores, quant.v.rotation.apply(values.astype(mx.float32))[:, :, None], dense_mask)
+    offset = 0.0
+    if key_mean is not None:
+        offset = scale * (q @ key_mean.astype(mx.float32)[:, :, None, :, None])  # (B, Hkv, G, M, 1)
+    for s in range(0, L, REF_KEY_BLOCK):
+        e = min(L, s + REF_KEY_BLOCK)
+        k_rot = dequantize_rotated_ref(k_codes[:, :, s:e], k_norms[:, :, s:e], quant.k)[:, :, None]
+        v_rot = dequantize_rotated_ref(v_codes[:, :, s:e], v_norms[:, :, s:e], quant.v)[:, :, None]
+        scores = scale * (q_rot @ k_rot.swapaxes(-1, -2)) + offset  # (B, Hkv, G, M, block)
+        update(scores, v_rot, None if mask is None else mask[:, :, :, s:e])
     out = quant.v.rotation.invert(acc / denom)  # o = Π_Vᵀ o', once per step
     return out.reshape(B, Hq, M, D).astype(queries.dtype)
 

@@ -1,0 +1,157 @@
+"""Protected TurboQuant layers: an FP16 window of recent rows, FP16 sink rows and key centring
+(preset fields window_rows, sink_rows, center_keys), on the reference backend."""
+
+import mlx.core as mx
+import pytest
+
+from turbospark_mlx import KVCacheManager, LayerSpec, TurboQuantConfig, attention_any, get_preset, store_kv
+from turbospark_mlx.attention import attention_mask
+from turbospark_mlx.quant import dequantize_ref
+from turbospark_mlx.quant.reference import fp16_attention_ref
+
+B, HKV, G, D = 2, 2, 3, 64
+
+
+def protected(window=16, sinks=4, center=True, base="tq4") -> TurboQuantConfig:
+    return get_preset(base).with_(name="p", window_rows=window, sink_rows=sinks, center_keys=center)
+
+
+def data(L, bias=0.0, seed=0):
+    mx.random.seed(seed)
+    k = mx.random.normal((B, HKV, L, D)) + bias * mx.random.normal((1, HKV, 1, D))
+    v = mx.random.normal((B, HKV, L, D))
+    q = mx.random.normal((B, HKV * G, L, D))
+    return k.astype(mx.float16), v.astype(mx.float16), q
+
+
+def run(config, k, v, q, chunks, sinks=None, kv_start=0, max_rows=64):
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=max_rows)
+    outs, pos = [], 0
+    first = kv_start if isinstance(kv_start, int) else max(kv_start.tolist())  # rows before it attend nothing
+    for m in chunks:
+        store_kv(cache, 0, pos, k[:, :, pos : pos + m], v[:, :, pos : pos + m])
+        s = max(pos, first)
+        if s < pos + m:
+            outs.append(attention_any(cache, 0, q[:, :, s : pos + m], s, sinks=sinks, kv_start=kv_start))
+        pos += m
+    return mx.concatenate(outs, axis=2), cache
+
+
+def oracle(cache, k, v, q, sinks=None):
+    """Each query row t over dense keys: FP16 for the sink rows and (t - W, t], the stored codes
+    decoded (plus the key mean) for the rest."""
+    c, S, W = cache.config, cache.config.sink_rows, cache.config.window_rows
+    L = k.shape[2]
+    a, quant = cache.layer_arrays(0), cache.layer_quant(0)
+    q_end = cache.quantized_end(0)
+    kq = dequantize_ref(a["k_codes"][:, :, :q_end], a["k_norms"][:, :, :q_end], quant.k)
+    vq = dequantize_ref(a["v_codes"][:, :, :q_end], a["v_norms"][:, :, :q_end], quant.v)
+    if c.center_keys and q_end > S:
+        kq = kq + a["k_mean"][:, :, None, :]
+    rows = []
+    for t in range(L):
+        use_fp16 = [p < S or p > t - W for p in range(t + 1)]
+        kt = mx.stack([k[:, :, p].astype(mx.float32) if f else kq[:, :, p] for p, f in enumerate(use_fp16)], axis=2)
+        vt = mx.stack([v[:, :, p].astype(mx.float32) if f else vq[:, :, p] for p, f in enumerate(use_fp16)], axis=2)
+        rows.append(fp16_attention_ref(q[:, :, t : t + 1], kt, vt, scale=D**-0.5, sinks=sinks))
+    return mx.concatenate(rows, axis=2)
+
+
+@pytest.mark.parametrize("config", [protected(), protected(center=False), protected(window=0, center=False),
+                                    protected(sinks=0), protected(base="k8v4")])
+def test_chunked_prefill_equals_token_steps(config):
+    L = 150
+    k, v, q = data(L, bias=3.0)
+    sinks = mx.random.normal((HKV * G,))
+    steps, _ = run(config, k, v, q, [1] * L, sinks=sinks)
+    chunked, _ = run(config, k, v, q, [40, 64, 5, 41], sinks=sinks)
+    assert mx.array_equal(steps, chunked).item(), mx.abs(steps - chunked).max().item()
+
+
+def test_matches_oracle_with_sinks_and_centring():
+    L = 90
+    k, v, q = data(L, bias=3.0)
+    sinks = mx.random.normal((HKV * G,))
+    got, cache = run(protected(window=8, sinks=3), k, v, q, [30, 1, 59], sinks=sinks)
+    want = oracle(cache, k, v, q, sinks=sinks)
+    assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item(), mx.abs(got - want).max().item()
+
+
+def test_window_and_sinks_covering_everything_are_fp16_attention():
+    L = 70
+    k, v, q = data(L)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=attention_mask(mx.arange(L), mx.arange(L)))
+    for config in (protected(window=L, sinks=0, center=False), protected(window=0, sinks=L, center=False)):
+        got, _ = run(config, k, v, q, [64, 6])
+        assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+def test_centring_and_window_rescue_biased_keys():
+    """Keys with a large shared per-channel offset (as biased key projections give): plain 4-bit
+    loses most of the attention pattern, the protected layer keeps it."""
+    L = 200
+    k, v, q = data(L, bias=8.0)
+    want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=attention_mask(mx.arange(L), mx.arange(L)))
+    plain, _ = run(get_preset("tq4"), k, v, q, [1] * L)
+    prot, _ = run(protected(window=16, sinks=4), k, v, q, [1] * L)
+    err_plain = mx.abs(plain - want).mean().item()
+    err_prot = mx.abs(prot - want).mean().item()
+    assert err_prot < 0.5 * err_plain, (err_prot, err_plain)
+
+
+def test_left_padding_start():
+    L = 60
+    k, v, q = data(L, bias=2.0)
+    starts = mx.array([0, 9])
+    steps, _ = run(protected(window=8, sinks=2), k, v, q, [10] + [1] * (L - 10), kv_start=starts)
+    chunked, _ = run(protected(window=8, sinks=2), k, v, q, [10, 50], kv_start=starts)
+    assert mx.array_equal(steps, chunked).item()
+
+
+def test_save_load_trim_and_bytes(tmp_path):
+    L = 120
+    k, v, q = data(L, bias=2.0)
+    config = protected()
+    _, cache = run(config, k, v, q, [64, 56])
+    loaded = KVCacheManager.from_file(cache.save(str(tmp_path / "c")))
+    qq = mx.random.normal((B, HKV * G, 1, D))
+    assert mx.array_equal(attention_any(cache, 0, qq), attention_any(loaded, 0, qq)).item()
+    # Trimming and writing the same rows again gives what the cache held before.
+    before = attention_any(cache, 0, q[:, :, L - 1 : L], L - 1)
+    loaded.trim(30)
+    store_kv(loaded, 0, L - 30, k[:, :, L - 30 :], v[:, :, L - 30 :])
+    assert mx.array_equal(attention_any(loaded, 0, q[:, :, L - 1 : L], L - 1), before).item()
+    with pytest.raises(ValueError, match="FP16 rows"):
+        loaded.trim(65)  # more than max_rows = 64 beyond the window
+    # The window and sink rows are counted in the cache's bytes.
+    plain = KVCacheManager([LayerSpec(HKV, D)], "tq4", batch_size=B, max_rows=64)
+    store_kv(plain, 0, 0, k[:, :, :64], v[:, :, :64])
+    store_kv(plain, 0, 64, k[:, :, 64:], v[:, :, 64:])
+    fixed = 2 * B * HKV * (16 + 64 + 4) * D * 2 + B * HKV * D * 4
+    assert cache.nbytes == plain.nbytes + fixed
+
+
+def test_config_fields_validate_and_round_trip():
+    with pytest.raises(ValueError, match="window_rows >= 1"):
+        get_preset("tq4").with_(center_keys=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        get_preset("tq4").with_(sink_rows=-1)
+    c = protected()
+    assert TurboQuantConfig.from_json(c.to_json()) == c and c.is_protected
+    assert not get_preset("fp16").with_(window_rows=8).is_protected
+
+
+def test_mlx_lm_adapter_refuses_protected_presets():
+    from mlx_lm.models import llama
+
+    from turbospark_mlx.mlx_lm import make_prompt_cache
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
+    )
+    model = llama.Model(args)
+    classes = [type(l.self_attn) for l in model.layers]
+    with pytest.raises(NotImplementedError, match="window"):
+        make_prompt_cache(model, kv=protected())
+    assert [type(l.self_attn) for l in model.layers] == classes
