@@ -11,9 +11,13 @@ One run measures, for each shape and context:
     bandwidth measured in the same run;
   * the commit (quantize) kernel's time per decode step (K and V of one token);
   * peak memory of one decode step above what is resident before it.
-Writes <out>/decode_attention.json and .md.
+Writes <out>/decode_attention.json and .md (default: benchmarks/results/).
 
-    python benchmarks/decode_attention.py --out benchmarks/results
+    python benchmarks/decode_attention.py                  # on the GPU machine
+    python benchmarks/decode_attention.py --tiny --out DIR # seconds on a CPU: checks the script, not kernels
+
+On the reference backend (a CPU-only MLX build) the TurboQuant rows time the reference
+attention (`tq_attention_ref`), as `attention_any` runs there.
 """
 
 from __future__ import annotations
@@ -32,16 +36,14 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from turbospark_mlx.attention import attention_mask  # noqa: E402
-from turbospark_mlx.backend import auto_backend  # noqa: E402
-from turbospark_mlx.quant.turboquant import LayerQuant, side_quant  # noqa: E402
-from turbospark_mlx.tq_kernels import (  # noqa: E402
-    decode_plan,
-    mma_plan,
-    tq_decode_attention,
-    tq_mma_unsupported,
-    tq_quantize,
-)
+from turbospark_mlx.gpu.backend import auto_backend  # noqa: E402
+from turbospark_mlx.gpu.decode import decode_plan, tq_decode_attention  # noqa: E402
+from turbospark_mlx.gpu.decode_mma import mma_plan, tq_mma_unsupported  # noqa: E402
+from turbospark_mlx.gpu.quantize import tq_quantize  # noqa: E402
+from turbospark_mlx.quant.reference import tq_attention_ref  # noqa: E402
+from turbospark_mlx.quant.tables import LayerQuant, side_quant  # noqa: E402
 
+# Presets timed, (K bits, V bits): the tq4 / tq3 / k8v4 rows of results/decode_attention.json.
 PRESETS = {"tq4": (4, 4), "tq3": (3, 3), "k8v4": (8, 4)}
 
 
@@ -121,7 +123,7 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False, round
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
         # The FP16 baseline is timed again after every other method and the ratios use the
-        # median of all its timings in the row: on the H200 the same kernel measured up to
+        # median of all its timings in the row: on the H200 the same kernel measures up to
         # 25% apart within one run, minutes apart, and a ratio should compare like with like.
         sdpa_runs: list[float] = []
 
@@ -182,6 +184,8 @@ def bench_shape(name, Hq, Hkv, D, contexts, n_chain, results, sweep=False, round
             backend = auto_backend()
 
             def tq(q, quant=quant, kc=kc, vc=vc, kn=kn, vn=vn, variant="auto", **kw):
+                if backend == "reference":  # no kernel: what attention_any runs on a CPU
+                    return tq_attention_ref(q, kc, kn, vc, vn, quant, scale=scale)
                 return tq_decode_attention(
                     q,
                     kc,
@@ -311,8 +315,8 @@ def paired_rounds(row, fns, q0, n_chain: int, rounds: int) -> None:
     """Time FP16 SDPA and the TurboQuant kernels again in `rounds` interleaved rounds (each
     round: every method once, SDPA first, median of 5 chained evals) and store per method the
     median over rounds of its time / SDPA's time in the same round. A ratio of timings seconds
-    apart: the sequential pass above times methods minutes apart, and the H200 machines'
-    host-side drift moved the same kernel's two rows up to 20% (session 10)."""
+    apart: the sequential pass above times methods minutes apart, and on the H200 machines
+    host-side drift moves the same kernel's two rows up to 20% apart."""
     runs = {n: [] for n in fns}
     over = {n: [] for n in fns}
     for _ in range(rounds):
@@ -341,7 +345,8 @@ def markdown(meta, rows) -> str:
         "# Decode attention benchmark",
         "",
         f"Machine: {meta['device']}; MLX {meta['mlx']}; backend {meta['backend']}; {meta['date']}.",
-        f"Copy bandwidth measured in this run: {meta['copy_GBps']:.0f} GB/s (read + write of a 2 GiB float16 `x + 1`).",
+        f"Copy bandwidth measured in this run: {meta['copy_GBps']:.0f} GB/s (read + write of a "
+        f"{meta.get('copy_bytes', 2 << 30) / 2**20:g} MiB float16 `x + 1`).",
         f"Amortized = {meta['n_chain']} calls chained in one `mx.eval`, divided by {meta['n_chain']} (median of 11); single = one call per eval (median of 22).",
         "FP16 SDPA amortized (and every x FP16 SDPA) = the median of its timings in the row: it is timed again after each other method.",
         f"Command: `{meta['command']}`",
@@ -439,15 +444,24 @@ def main():
         action="store_true",
         help="only run a few tq4 decode calls at 128k (for ncu)",
     )
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--n-chain", type=int, default=20)
-    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument(
+        "--out", default=None, help="directory for decode_attention.{json,md} (default: benchmarks/results)"
+    )
+    ap.add_argument("--n-chain", type=int, default=None, help="calls chained per eval (default 20; --tiny 2)")
+    ap.add_argument("--contexts", default=None, help="keys per call (default 4096,32768,131072; --tiny 256)")
     ap.add_argument("--quick", action="store_true", help="llama shape only")
     ap.add_argument(
         "--rounds",
         type=int,
-        default=7,
-        help="interleaved rounds re-timing SDPA and the TurboQuant kernels for paired ratios (0: none)",
+        default=None,
+        help="interleaved rounds re-timing SDPA and the TurboQuant kernels for paired ratios "
+        "(0: none; default 7; --tiny 3)",
+    )
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long run that checks this script (one small shape, 256 keys, a 16 MB copy); "
+        "needs --out, its numbers say nothing about the GPU kernels",
     )
     ap.add_argument(
         "--sweep",
@@ -458,6 +472,14 @@ def main():
     if args.probe:
         probe()
         return
+    if args.tiny and args.out is None:
+        ap.error("--tiny needs --out (its results must not replace benchmarks/results)")
+    if args.n_chain is None:
+        args.n_chain = 2 if args.tiny else 20
+    if args.rounds is None:
+        args.rounds = 3 if args.tiny else 7
+    if args.contexts is None:
+        args.contexts = "256" if args.tiny else "4096,32768,131072"
     contexts = [int(c) for c in args.contexts.split(",")]
     try:
         device = (
@@ -481,12 +503,16 @@ def main():
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "n_chain": args.n_chain,
         "command": "python " + " ".join(sys.argv),
-        "copy_GBps": copy_bandwidth() / 1e9,
+        "copy_bytes": 16 << 20 if args.tiny else 2 << 30,
     }
+    meta["copy_GBps"] = copy_bandwidth(meta["copy_bytes"]) / 1e9
     print(json.dumps(meta), flush=True)
     rows: list = []
-    bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows, args.sweep, args.rounds)
-    if not args.quick:
+    if args.tiny:
+        bench_shape("tiny Hq8 Hkv2 D64", 8, 2, 64, contexts, args.n_chain, rows, args.sweep, args.rounds)
+    else:
+        bench_shape("llama Hq32 Hkv8 D128", 32, 8, 128, contexts, args.n_chain, rows, args.sweep, args.rounds)
+    if not args.quick and not args.tiny:
         bench_shape(
             "gemma-like Hq4 Hkv1 D256",
             4,
@@ -498,7 +524,7 @@ def main():
             args.sweep,
             args.rounds,
         )
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:
         for m in r["methods"].values():

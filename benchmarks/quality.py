@@ -11,6 +11,7 @@ KL(fp16 || preset), and top-1 agreement.
 
 Default text: the GNU GPL v3 as Debian ships it (/usr/share/common-licenses/GPL-3,
 package base-files): real English prose that nobody here wrote.
+Writes benchmarks/results/quality.json and quality.md (--out sets the .json path; the .md goes beside it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +27,13 @@ import mlx.core as mx
 
 import turbospark_mlx as ts
 from turbospark_mlx.cli import default_model_path
-from turbospark_mlx.load import load
+from turbospark_mlx.loading import load
 
+# The text scored by results/quality.json (Debian package base-files).
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+# Presets compared with the FP16 cache (the rows of benchmarks/results/quality.json).
 PRESETS = ["tq4", "tq3", "k8v4", "k4v3", "tq2"]
+OUT = Path(__file__).resolve().parent / "results" / "quality.json"
 
 
 def chunk_logprobs(model, tokens: mx.array, kv: str, chunk: int):
@@ -41,6 +46,37 @@ def chunk_logprobs(model, tokens: mx.array, kv: str, chunk: int):
         yield s, lp
 
 
+def markdown(result: dict) -> str:
+    """The results as a table, one row per preset after the FP16 cache's."""
+    fp16 = result["fp16"]["ppl"]
+    lines = [
+        f"# KV-cache quality: {result['model']}",
+        "",
+        f"Text: {result['text']}; {result['tokens']} positions scored, teacher-forced in "
+        f"{result['chunk']}-token prefill chunks; activations {result['dtype']}.",
+        f"Machine: {result['machine']}" + (f"; {result['date']}." if result.get("date") else "."),
+    ]
+    if result.get("command"):
+        lines.append(f"Command: `{result['command']}`")
+    lines += [
+        "",
+        "Each preset against the same model with an FP16 cache: perplexity of the text, mean "
+        "KL(FP16 || preset) of the next-token distributions, and how often their top-1 tokens agree.",
+        "",
+        "| preset | K/V bits | bytes/token/head (d=64) | vs FP16 | perplexity | Δ perplexity | mean KL "
+        "| top-1 agreement |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| fp16 | 16/16 | 256 | 1.000 | {fp16:.2f} | — | — | — |",
+    ]
+    for name, r in result["presets"].items():
+        lines.append(
+            f"| {name} | {r['k_bits']}/{r['v_bits']} | {r['bytes_per_token_head_dim64']} | "
+            f"{r['ratio_vs_fp16']:.3f} | {r['ppl']:.2f} | {r['ppl_delta_pct']:+.2f}% | "
+            f"{r['mean_kl']:.4f} | {100 * r['top1_agreement']:.1f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -50,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096, help="positions scored (the text needs one more)")
     ap.add_argument("--presets", nargs="+", default=PRESETS)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--out", default="benchmarks/results/quality_smollm2.json")
+    ap.add_argument("--out", default=str(OUT), help="results .json (the .md goes beside it)")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="activations"
     )
@@ -76,6 +112,8 @@ def main(argv=None):
         "chunk": args.chunk,
         "machine": f"{platform.node()} {platform.machine()} MLX {mx.__version__} device {mx.default_device()}",
         "dtype": args.dtype,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": " ".join(["python benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)]),
         "fp16": {
             "ppl": float(mx.exp(mx.array(base_nll / args.tokens)).item()),
             "seconds": time.perf_counter() - t0,
@@ -116,7 +154,8 @@ def main(argv=None):
         )
         out.write_text(json.dumps(result, indent=2) + "\n")  # after each preset: a partial run keeps its rows
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

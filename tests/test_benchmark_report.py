@@ -15,7 +15,8 @@ BENCH = ROOT / "benchmarks" / "decode_attention.py"
 
 
 def _run_tiny(out: Path) -> tuple[dict, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     run = subprocess.run(
         [sys.executable, str(BENCH), "--tiny", "--out", str(out)],
         cwd=ROOT,
@@ -48,7 +49,8 @@ def test_tiny_run_paired_rounds_and_markdown(tmp_path):
     # The baseline is the median of SDPA's timings in the row, and every ratio is against it.
     base = methods["fp16_sdpa"]
     assert len(base["amortized_runs_us"]) >= 2
-    assert abs(base["amortized_us"] - statistics.median(base["amortized_runs_us"])) < 0.1 + 1e-3 * base["amortized_us"]
+    runs = base["amortized_runs_us"]  # rounded to 0.1 us
+    assert abs(base["amortized_us"] - statistics.median(runs)) < 0.1 + 1e-3 * base["amortized_us"]
     for name, m in methods.items():
         if "amortized_us" in m:
             assert abs(m["vs_fp16_sdpa"] - m["amortized_us"] / base["amortized_us"]) < 1e-9, name
@@ -82,5 +84,6 @@ def test_tiny_run_paired_rounds_and_markdown(tmp_path):
         cells = _cells(md, "Commit (tq_quantize", f"| {shape} | {preset} |")
         assert cells[2] == f"{row['commit'][preset]['amortized_us']:.1f}"
     speedup = methods["tq4_kernel"]["speedup_vs_affine4"]
-    assert abs(speedup - methods["affine4_mlx_lm_style"]["amortized_us"] / methods["tq4_kernel"]["amortized_us"]) < 1e-9
+    affine = methods["affine4_mlx_lm_style"]["amortized_us"]
+    assert abs(speedup - affine / methods["tq4_kernel"]["amortized_us"]) < 1e-9
     assert f"tq4 {speedup:.2f}x" in md

@@ -44,15 +44,16 @@ def oracle(cache, k, v, q, sinks=None):
     L = k.shape[2]
     a, quant = cache.layer_arrays(0), cache.layer_quant(0)
     q_end = cache.quantized_end(0)
-    kq = dequantize_ref(a["k_codes"][:, :, :q_end], a["k_norms"][:, :, :q_end], quant.k)
-    vq = dequantize_ref(a["v_codes"][:, :, :q_end], a["v_norms"][:, :, :q_end], quant.v)
+    n = q_end - S  # position p's codes sit in slot p - S
+    kq = dequantize_ref(a["k_codes"][:, :, :n], a["k_norms"][:, :, :n], quant.k)
+    vq = dequantize_ref(a["v_codes"][:, :, :n], a["v_norms"][:, :, :n], quant.v)
     if c.center_keys and q_end > S:
         kq = kq + a["k_mean"][:, :, None, :]
     rows = []
     for t in range(L):
         use_fp16 = [p < S or p > t - W for p in range(t + 1)]
-        kt = mx.stack([k[:, :, p].astype(mx.float32) if f else kq[:, :, p] for p, f in enumerate(use_fp16)], axis=2)
-        vt = mx.stack([v[:, :, p].astype(mx.float32) if f else vq[:, :, p] for p, f in enumerate(use_fp16)], axis=2)
+        kt = mx.stack([k[:, :, p].astype(mx.float32) if f else kq[:, :, p - S] for p, f in enumerate(use_fp16)], 2)
+        vt = mx.stack([v[:, :, p].astype(mx.float32) if f else vq[:, :, p - S] for p, f in enumerate(use_fp16)], 2)
         rows.append(fp16_attention_ref(q[:, :, t : t + 1], kt, vt, scale=D**-0.5, sinks=sinks))
     return mx.concatenate(rows, axis=2)
 

@@ -126,7 +126,7 @@ def attention_any(
     if cache.ring_capacity(layer) is None:
         if isinstance(kv_start, int):
             # Plain causal attention over [kv_start, end): MLX's fused path. A boolean mask
-            # sends MLX CUDA down its unfused path, 7x slower at 128k (benchmarks/results/).
+            # sends MLX CUDA down its unfused path, 7x slower at 128k (H200, MLX 0.32.4).
             keys, values = arrays["keys"][:, :, kv_start:end], arrays["values"][:, :, kv_start:end]
             mask = None if M == 1 else "causal"
         else:
@@ -143,40 +143,51 @@ def attention_any(
 def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array:
     """A protected TurboQuant layer: each query row t reads its sink rows and the positions
     (t - window, t] in FP16 and older positions from the codes, in one softmax."""
-    # The decode kernels read codes only: the FP16 rows and the key mean are not wired in.
-    _backend.resolve("FP16 window / sink rows / key centring (a preset with window_rows, sink_rows "
-                     "or center_keys) have no kernel path")
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W = config.sink_rows, config.window_rows
-    M = queries.shape[2]
+    B, Hq, M, D = queries.shape
     end = position + M
     t = mx.arange(position, end)[:, None]  # (M, 1) query positions
     start = mx.array(kv_start).reshape(-1, 1, 1, 1)
+    # FP16 rows: the sink rows from their array, the window from the ring.
     n_sinks = min(S, end)
     sp = mx.arange(n_sinks)[None, :]
     rp = cache.recent_positions(layer, end)[None, :]  # -1 where unwritten
-    sink_mask = sp <= t
-    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp > t - W)  # sink rows are read from their array
+    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp > t - W)  # the ring's copies of sink rows are not read
     positions = mx.concatenate([sp, rp], axis=1)
-    dense_mask = mx.concatenate([sink_mask, ring_mask], axis=1)[None, None] & (positions[None, None] >= start)
+    dense_mask = mx.concatenate([sp <= t, ring_mask], axis=1)[None, None] & (positions[None, None] >= start)
     keys = mx.concatenate([arrays["k_sinks"][:, :, :n_sinks], arrays["k_recent"]], axis=2)
     values = mx.concatenate([arrays["v_sinks"][:, :, :n_sinks], arrays["v_recent"]], axis=2)
+    # Codes: positions [S, q_end) in slots [0, q_end - S); row t reads those <= t - W.
     q_end = cache.quantized_end(layer, end)
-    kp = mx.arange(q_end)[None, :]
-    code_mask = ((kp >= S) & (kp <= t - W))[None, None] & (kp[None, None] >= start)
-    return tq_attention_ref(
-        queries,
-        arrays["k_codes"][:, :, :q_end],
-        arrays["k_norms"][:, :, :q_end],
-        arrays["v_codes"][:, :, :q_end],
-        arrays["v_norms"][:, :, :q_end],
-        quant,
-        scale=scale,
-        mask=code_mask,
-        sinks=sinks,
-        dense=(keys, values, dense_mask),
-        key_mean=arrays["k_mean"] if config.center_keys and q_end > S else None,
-    )
+    key_mean = arrays["k_mean"] if config.center_keys and q_end > S else None
+    codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
+    backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
+    if backend == "reference":
+        kp = mx.arange(S, q_end)[None, :]
+        code_mask = ((kp <= t - W)[None, None]) & (kp[None, None] >= start)
+        return tq_attention_ref(
+            queries, *(c[:, :, : q_end - S] for c in codes), quant, scale=scale, mask=code_mask,
+            sinks=sinks, dense=(keys, values, dense_mask), key_mean=key_mean,
+        )
+    # Rows before S + W read no codes (the kernel's first position would be negative).
+    r0 = min(M, max(0, S + W - position))
+    out = []
+    if r0:
+        out.append(tq_attention_ref(
+            queries[:, :, :r0], *(c[:, :, :0] for c in codes), quant, scale=scale,
+            sinks=sinks, dense=(keys, values, dense_mask[:, :, :r0]),
+        ))
+    if r0 < M:
+        # The kernel sees slot i as position i + S: shift the rows' positions by W + S.
+        shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
+        out.append(tq_decode_attention(
+            queries[:, :, r0:], *codes, quant, scale=scale, position=position + r0 - W - S,
+            kv_start=shifted, sinks=sinks, backend=backend,
+            dense=(keys, values, dense_mask[:, :, r0:]), key_mean=key_mean,
+        ))
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
 
 def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: mx.array | None) -> None:

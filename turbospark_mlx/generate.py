@@ -19,7 +19,7 @@ from .cache import KVCacheManager, make_cache
 from .quant.config import TurboQuantConfig
 
 # Default KV preset, chosen from measured quality per byte on SmolLM2-135M (head_dim 64,
-# benchmarks/results/quality_smollm2.json): k8v4 keeps perplexity within 0.2% of FP16 at
+# benchmarks/results/quality.md): k8v4 keeps perplexity within 0.2% of FP16 at
 # 0.41x the bytes, while tq4 (0.28x) costs +9% perplexity, because the keys carry the error.
 DEFAULT_KV = "k8v4"
 

@@ -410,7 +410,8 @@ class KVCacheManager:
 
     def quantized_end(self, layer: int, end: int | None = None) -> int:
         """Positions below this are read from codes once `end` positions are committed (on a
-        protected layer: all but the sink rows and the newest window_rows)."""
+        protected layer: all but the sink rows and the newest window_rows; position p's
+        codes sit in slot p - sink_rows)."""
         l = self._layer(layer)
         end = l.offset if end is None else end
         if not l.recent_capacity:
@@ -491,8 +492,8 @@ class KVCacheManager:
             if side == "k" and self.config.center_keys:
                 rows = rows.astype(mx.float32) - l.arrays["k_mean"][:, :, None, :]
             codes, norms = tq_quantize(rows, l.quant.side(side))
-            self._put(l, f"{side}_codes", q0, codes)
-            self._put(l, f"{side}_norms", q0, norms)
+            self._put(l, f"{side}_codes", q0 - S, codes)  # slot p - S: the sink rows have no codes
+            self._put(l, f"{side}_norms", q0 - S, norms)
 
     def slot_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each storage slot [0, capacity) once `end` positions are written.

@@ -21,14 +21,14 @@ import mlx.core as mx
 
 from ..quant.tables import LayerQuant
 from . import backend as _backend
-from .args import bits_reason, padded_table, rotation_arg, sinks_arg, split_rows, step_args
+from .args import bits_reason, padded_table, rotation_arg, sinks_arg, step_args
 from .build import launch
 from .decode_mma import MMA_AUTO_MIN_CONTEXT, mma_launch
 
 # Threadgroup memory budget of one decode threadgroup (Metal allows 32 KiB in all).
 SHARED_BUDGET = 28 * 1024
 # Enough threadgroups to fill a large GPU (132 SMs on an H200) a few times over; on the H200
-# larger tiles measured faster at 128k even with fewer groups (benchmarks/results notes).
+# larger tiles measured faster at 128k even with fewer groups (docs/decode_kernels.md).
 TARGET_GROUPS = 512
 
 
@@ -144,6 +144,8 @@ def tq_decode_attention(
     sinks: mx.array | None = None,
     backend: str,
     variant: str = "auto",
+    dense: tuple[mx.array, mx.array, mx.array] | None = None,
+    key_mean: mx.array | None = None,
     _tilings=None,
     _skip_v: bool = False,
     _tiles_per_warp: int | None = None,
@@ -164,6 +166,10 @@ def tq_decode_attention(
         backend: "metal" or "cuda".
         variant: "auto", "mma" (CUDA tensor cores; an error if it cannot serve the shape)
             or "dialect" (the one-source kernels, also used on Metal).
+        dense: FP16 rows in the same softmax, (keys, values, mask) as in
+            `quant.reference.tq_attention_ref`: their partial joins the dialect kernel's
+            tiles before the reduce (the tensor-core kernel merges inside and takes none).
+        key_mean: (B, Hkv, D) key mean of centred codes: q·mean joins their scores.
         _tilings, _skip_v: benchmark knobs of the dialect kernels (tiling order; leave the
             V stage out); _tiles_per_warp: the tensor-core kernel's keys per warp / 16.
     Returns:
@@ -172,6 +178,10 @@ def tq_decode_attention(
     if variant not in ("auto", "mma", "dialect"):
         raise ValueError(f"unknown decode kernel variant {variant!r}; valid: auto, mma, dialect")
     M = queries.shape[2]
+    if dense is not None or key_mean is not None:
+        if variant == "mma":
+            raise _backend.KernelUnsupported("tensor-core decode does not read FP16 rows or a key mean")
+        variant = "dialect"
     if backend == "cuda" and (variant == "mma" or (variant == "auto" and position + M >= MMA_AUTO_MIN_CONTEXT)):
         # Every layer's decode step comes here: one cached launch per call shape keeps the
         # Python on the way short (host build, not the GPU, bounds a call at 128k).
@@ -187,22 +197,27 @@ def tq_decode_attention(
     G = Hq // Hkv
     per = _rows_per_call(quant, G, D, M)
     if per < M:  # too many query rows for one call's threadgroup memory: split them
-        return split_rows(
-            tq_decode_attention,
-            per,
-            queries,
-            k_codes,
-            k_norms,
-            v_codes,
-            v_norms,
-            quant,
-            scale=scale,
-            position=position,
-            kv_start=kv_start,
-            sinks=sinks,
-            backend=backend,
-            variant="dialect",
-        )
+        parts = []
+        for m0 in range(0, M, per):
+            parts.append(
+                tq_decode_attention(
+                    queries[:, :, m0 : m0 + per],
+                    k_codes,
+                    k_norms,
+                    v_codes,
+                    v_norms,
+                    quant,
+                    scale=scale,
+                    position=position + m0,
+                    kv_start=kv_start,
+                    sinks=sinks,
+                    backend=backend,
+                    variant="dialect",
+                    dense=None if dense is None else (dense[0], dense[1], dense[2][:, :, m0 : m0 + per]),
+                    key_mean=key_mean,
+                )
+            )
+        return mx.concatenate(parts, axis=2)
 
     end = position + M
     has_starts = isinstance(kv_start, mx.array)
@@ -239,6 +254,14 @@ def tq_decode_attention(
         output_shapes=[(B, Hkv, tiles, R, D), (B, Hkv, tiles, RP, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
+    if key_mean is not None:  # scores of centred codes lack q·mean: shift each row's max by it
+        offset = scale * (queries.astype(mx.float32).reshape(B, Hkv, G, M, D) @ key_mean[:, :, None, :, None])
+        offset = mx.pad(offset.reshape(B, Hkv, 1, R, 1), [(0, 0), (0, 0), (0, 0), (0, RP - R), (0, 0)])
+        part_ms = part_ms + mx.concatenate([offset, mx.zeros_like(offset)], axis=-1)
+    if dense is not None:
+        dense_o, dense_ms = _dense_partial(queries, *dense, quant, scale, RP)
+        part_o = mx.concatenate([part_o, dense_o], axis=2)
+        part_ms = mx.concatenate([part_ms, dense_ms], axis=2)
     has_sink = sinks is not None
     sink_arr = sinks_arg(sinks)
     tsl = max(1, min(8, 1024 // D))
@@ -264,3 +287,20 @@ def tq_decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def _dense_partial(queries, keys, values, mask, quant: LayerQuant, scale: float, RP: int):
+    """One more tile for the reduce: FP16 rows' softmax statistics and weighted V in the
+    kernel's layout (part_o (B, Hkv, 1, R, D) in Π_V space; part_ms (B, Hkv, 1, RP, 2))."""
+    B, Hq, M, D = queries.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
+    scores = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))  # (B, Hkv, G, M, Ld)
+    scores = mx.where(mask[:, :, None], scores, -mx.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+    o = p @ quant.v.rotation.apply(values.astype(mx.float32))[:, :, None]  # (B, Hkv, G, M, D)
+    ms = mx.concatenate([m, p.sum(axis=-1, keepdims=True)], axis=-1).reshape(B, Hkv, 1, G * M, 2)
+    pad = mx.broadcast_to(mx.array([-mx.inf, 0.0]), (B, Hkv, 1, RP - G * M, 2))
+    return o.reshape(B, Hkv, 1, G * M, D), mx.concatenate([ms, pad], axis=3)

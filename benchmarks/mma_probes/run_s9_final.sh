@@ -1,5 +1,0 @@
-#!/usr/bin/env bash
-# Session 9 final device call: the decode benchmark, then the whole GPU test file, on the final code.
-mkdir -p $OUT/b
-timeout 430 python3 benchmarks/decode_attention.py --out $OUT/b 2>&1 | grep -v Warn | tail -3 | cut -c1-300
-timeout 150 python3 -m pytest -m gpu -q tests/test_kernels_gpu.py -rA 2>&1 > $OUT/gpu_tests_h200.log; tail -3 $OUT/gpu_tests_h200.log
