@@ -142,17 +142,44 @@ def test_config_fields_validate_and_round_trip():
     assert not get_preset("fp16").with_(window_rows=8).is_protected
 
 
-def test_mlx_lm_adapter_refuses_protected_presets():
+def _tiny_mlx_lm_llama():
     from mlx_lm.models import llama
-
-    from turbospark_mlx.mlx_lm import make_prompt_cache
 
     args = llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
     )
     model = llama.Model(args)
-    classes = [type(l.self_attn) for l in model.layers]
-    with pytest.raises(NotImplementedError, match="window"):
-        make_prompt_cache(model, kv=protected())
-    assert [type(l.self_attn) for l in model.layers] == classes
+    mx.eval(model.parameters())
+    return model
+
+
+def test_mlx_lm_adapter_serves_protected_presets(tmp_path):
+    """The drop-in cache with a window, sink rows and centring: one long call equals token
+    steps, prompt-cache files and trim round-trip."""
+    from mlx_lm.models.cache import save_prompt_cache, trim_prompt_cache
+
+    from turbospark_mlx.mlx_lm import load_prompt_cache, make_prompt_cache
+
+    model = _tiny_mlx_lm_llama()
+    config = protected(window=8, sinks=2)
+    prompt = mx.array([[i * 7 % 50 for i in range(70)]])
+    whole = make_prompt_cache(model, kv=config, max_rows=8)
+    a = model(prompt, cache=whole)
+    steps = make_prompt_cache(model, kv=config, max_rows=8)
+    b = mx.concatenate([model(prompt[:, i : i + 1], cache=steps) for i in range(70)], axis=1)
+    assert mx.array_equal(a, b).item()
+    save_prompt_cache(str(tmp_path / "c.safetensors"), whole)
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    nxt = mx.array([[5]])
+    assert mx.array_equal(model(nxt, cache=whole), model(nxt, cache=loaded)).item()
+    trim_prompt_cache(whole, 5)
+    trim_prompt_cache(loaded, 5)
+    assert mx.array_equal(model(nxt, cache=whole), model(nxt, cache=loaded)).item()
+
+
+def test_mlx_lm_batch_cache_refuses_protected_presets():
+    from turbospark_mlx.mlx_lm import TurboSparkBatchKVCache
+
+    with pytest.raises(NotImplementedError, match="window_rows=0"):
+        TurboSparkBatchKVCache([0, 2], kv=protected())

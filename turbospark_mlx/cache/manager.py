@@ -520,27 +520,29 @@ class KVCacheManager:
         l = self._layers[layer]
         if l.ring_capacity is not None:
             raise ValueError(f"layer {layer} is a sliding-window ring; only growing layers can be set")
-        if l.recent_capacity:
-            raise ValueError(
-                f"layer {layer} keeps FP16 window / sink rows (preset {self.config.name!r}); "
-                "only unprotected layers can be set from arrays"
-            )
         layout = self._storage_layout(l) if arrays else {}
-        if set(arrays) != set(layout):
+        fixed = self._fixed_layout(l) if arrays else {}
+        if set(arrays) != set(layout) | set(fixed):
             raise ValueError(
-                f"layer {layer}: arrays {sorted(arrays)} given, the layer stores {sorted(layout)}"
+                f"layer {layer}: arrays {sorted(arrays)} given, the layer stores {sorted(layout) + sorted(fixed)}"
             )
-        caps = {a.shape[2] for a in arrays.values() if a.ndim >= 3}
+        caps = {arrays[n].shape[2] for n in layout if arrays[n].ndim >= 3}
         cap = caps.pop() if len(caps) == 1 else 0
         for name, (tail, dtype) in layout.items():
             a = arrays[name]
             want = (self.batch_size, l.spec.n_kv_heads, cap, *tail)
             if a.shape != want or a.dtype != dtype:
                 raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
+        for name, (want, dtype) in fixed.items():
+            a = arrays[name]
+            if a.shape != want or a.dtype != dtype:
+                raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
         if not isinstance(offset, int) or not 0 <= offset <= cap:
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {cap} positions given")
         if self.max_context is not None and offset > self.max_context:
             raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")
+        if not arrays:  # emptied: a protected layer keeps zeroed fixed-size arrays
+            arrays = {n: mx.zeros(shape, dtype=dt) for n, (shape, dt) in self._fixed_layout(l).items()}
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
         for side in SIDES:
             self.stage.pending.pop((layer, side), None)

@@ -42,11 +42,6 @@ def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
     rotations are therefore those the preset's seed gives layer 0, the same in
     every layer (TurboQuant only needs each rotation random, not distinct).
     """
-    if config.is_protected:
-        raise NotImplementedError(
-            f"preset {config.name!r} keeps FP16 window / sink rows or centres keys "
-            "(window_rows, sink_rows, center_keys); the mlx-lm adapter stores plain TurboQuant layers only"
-        )
     return config.with_(name=config.name, fp16_first=0, fp16_last=0, fp16_layers=(), quantize_layers=None)
 
 
@@ -116,15 +111,17 @@ class _TurboSparkCacheBase:
         kv = self._ensure(keys)
         pos = kv.layer_offset(0)
         M = keys.shape[2]
-        for s in range(0, M, self.max_rows):
-            e = min(M, s + self.max_rows)
-            store_kv(kv, 0, pos + s, keys[:, :, s:e], values[:, :, s:e])
-        # Staging rows are a transient of the write: none are kept between calls.
-        kv.stage.rows.clear()
-        # Query blocks: at most q_block rows, and split where a sequence's kv_start changes.
-        cuts = sorted({0, M} | {r for r, _ in kv_starts if 0 < r < M} | set(range(0, M, self.q_block)))
-        outs = []
+        # Query blocks: at most q_block rows, split where a sequence's kv_start changes and
+        # where a write of max_rows rows ends. Rows are stored piece by piece just ahead of
+        # the block that reads them: a layer's FP16 window ring holds max_rows rows beyond it.
+        cuts = {0, M} | {r for r, _ in kv_starts if 0 < r < M}
+        cuts = sorted(cuts | set(range(0, M, self.q_block)) | set(range(0, M, self.max_rows)))
+        outs, stored = [], 0
         for a, b in zip(cuts, cuts[1:]):
+            while stored < b:
+                e = min(M, stored + self.max_rows)
+                store_kv(kv, 0, pos + stored, keys[:, :, stored:e], values[:, :, stored:e])
+                stored = e
             start = next(st for r, st in reversed(kv_starts) if r <= a)
             q = queries[:, :, a:b]
             if outs:
@@ -132,6 +129,8 @@ class _TurboSparkCacheBase:
                 # (measured: a 2048-row chunk over 8k keys, 623 -> 177 MiB of transients).
                 q = mx.depends(q, outs[-1])
             outs.append(attention_any(kv, 0, q, pos + a, scale=scale, sinks=sinks, kv_start=start))
+        # Staging rows are a transient of the write: none are kept between calls.
+        kv.stage.rows.clear()
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     def update_and_fetch(self, keys, values):
@@ -143,6 +142,12 @@ class _TurboSparkCacheBase:
         )
 
     # -- protocol pieces every mlx-lm cache has --------------------------------
+
+    def _names(self) -> tuple[str, ...]:
+        """The storage arrays a state carries: codes and norms, then a protected layer's FP16
+        window ring, sink rows and key mean."""
+        extra = ("k_recent", "v_recent", "k_sinks", "v_sinks") if self.config.is_protected else ()
+        return _NAMES + extra + (("k_mean",) if self.config.center_keys else ())
 
     def _arrays(self) -> dict[str, mx.array]:
         return {} if self._kv is None else self._kv.layer_arrays(0)
@@ -177,8 +182,10 @@ class _TurboSparkCacheBase:
             if offset:
                 raise ValueError(f"{type(self).__name__}: state has offset {offset} but no storage arrays")
             return
+        if len(arrays) != len(self._names()):
+            raise ValueError(f"{type(self).__name__}: state has {len(arrays)} arrays, expected {len(self._names())}")
         self._kv = self._manager(arrays[0].shape[0])
-        self._kv.set_layer_arrays(0, dict(zip(_NAMES, arrays)), int(offset))
+        self._kv.set_layer_arrays(0, dict(zip(self._names(), arrays)), int(offset))
 
 
 class TurboSparkKVCache(_TurboSparkCacheBase):
@@ -232,7 +239,7 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
 
     @property
     def state(self):
-        arrays = tuple(self._arrays().get(n) for n in _NAMES)
+        arrays = tuple(self._arrays().get(n) for n in self._names())
         if _legacy_protocol():
             return arrays
         return (*arrays, self.offset, *self._config_meta())
@@ -240,13 +247,13 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
     @state.setter
     def state(self, v):
         v = list(v)
-        if len(v) == 4:  # 0.31: arrays only; meta_state follows (it rebuilds the manager)
+        if len(v) <= 9:  # 0.31: arrays only; meta_state follows (it rebuilds the manager)
             self._pending_arrays = v
             return
-        if len(v) != 11:
-            raise ValueError(f"TurboSparkKVCache state has {len(v)} entries, expected 11")
-        self._set_config_meta(*v[5:])
-        self._restore(v[:4], int(v[4]))
+        if len(v) < 11:
+            raise ValueError(f"TurboSparkKVCache state has {len(v)} entries, expected 11 or more")
+        self._set_config_meta(*v[-6:])  # arrays, offset, then the six config entries
+        self._restore(v[:-7], int(v[-7]))
 
     @property
     def meta_state(self):
@@ -256,7 +263,7 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
     def meta_state(self, v):
         offset, *meta = v
         self._set_config_meta(*meta)
-        self._restore(getattr(self, "_pending_arrays", [None] * 4), int(offset))
+        self._restore(getattr(self, "_pending_arrays", [None] * len(self._names())), int(offset))
         self.__dict__.pop("_pending_arrays", None)
 
     @classmethod
@@ -286,6 +293,12 @@ class TurboSparkBatchKVCache(_TurboSparkCacheBase):
 
     def __init__(self, left_padding: Sequence[int], kv="tq4", *, max_rows=256, q_block=256, dtype=None):
         self._setup(kv, max_rows, q_block, dtype)
+        if self.config.is_protected:
+            raise NotImplementedError(
+                f"preset {self.config.name!r} keeps FP16 window / sink rows, which batched generation "
+                "does not merge yet; for BatchGenerator pass a preset with window_rows=0, sink_rows=0 "
+                "and center_keys=False"
+            )
         self._pad = [int(p) for p in left_padding]
         self.offset = mx.array([-p for p in self._pad])
         self._idx = 0

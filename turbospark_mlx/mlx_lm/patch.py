@@ -23,7 +23,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..quant.config import TurboQuantConfig, get_preset
-from .cache import TurboSparkBatchKVCache, TurboSparkKVCache, _layer_config, _TurboSparkCacheBase
+from .cache import TurboSparkBatchKVCache, TurboSparkKVCache, _TurboSparkCacheBase
 
 _CACHE_CLASSES = (TurboSparkKVCache, TurboSparkBatchKVCache)
 
@@ -173,13 +173,11 @@ def make_prompt_cache(
         max_rows, q_block, dtype: see `TurboSparkKVCache`.
     Raises:
         NotImplementedError: a layer to compress has an attention module this
-            package cannot serve, or the preset keeps FP16 window / sink rows
-            (the model is left unchanged).
+            package cannot serve (the model is left unchanged).
     """
     from mlx_lm.models.cache import KVCache
 
     config = get_preset(kv)
-    _layer_config(config)  # a preset the adapter cannot store fails here, before the model changes
     base = _base_caches(model)
     n = len(base)
     if n != len(model.layers):
