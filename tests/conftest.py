@@ -1,12 +1,19 @@
 import mlx.core as mx
 import pytest
 
-from turbospark_mlx import KVCacheManager
+from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)
+
+
+def plain(name: str) -> TurboQuantConfig:
+    """A preset without its FP16 window, sink rows and key centring: plain TurboQuant layers,
+    whose storage is codes only (what the tests of the codes path need)."""
+    p = get_preset(name)
+    return p if p.is_fp16 else p.with_(name=f"{name}-plain", window_rows=0, sink_rows=0, center_keys=False)
 
 
 def random_kv(B, H, L, D, dtype=mx.float16, scale=1.0):

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from conftest import random_kv
+from conftest import plain, random_kv
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, store_kv
 from turbospark_mlx.attention import attention_mask
 from turbospark_mlx.quant.reference import fp16_attention_ref
@@ -32,7 +32,7 @@ def dequantized(cache, layer, end):
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_tq_decode_equals_dense_over_dequantized(L, group, B, with_sinks):
     Hkv, D = 2, 128
-    cache = KVCacheManager([LayerSpec(Hkv, D)], "k4v3", batch_size=B, max_rows=L)
+    cache = KVCacheManager([LayerSpec(Hkv, D)], plain("k4v3"), batch_size=B, max_rows=L)
     fill(cache, 0, L)
     q = mx.random.normal((B, Hkv * group, 1, D))
     sinks = mx.random.normal((Hkv * group,)) if with_sinks else None
@@ -47,7 +47,7 @@ def test_tq_decode_equals_dense_over_dequantized(L, group, B, with_sinks):
 def test_tq_m_rows_causal_equals_dense(preset, D):
     """M query rows over packed history + the new rows, causal, with kv_start and sinks."""
     B, Hkv, G, L, M = 2, 2, 2, 40, 7
-    cache = KVCacheManager([LayerSpec(Hkv, D)], preset, batch_size=B, max_rows=64)
+    cache = KVCacheManager([LayerSpec(Hkv, D)], plain(preset), batch_size=B, max_rows=64)
     fill(cache, 0, L, chunk=M)
     q = mx.random.normal((B, Hkv * G, M, D)).astype(mx.float16)
     sinks = mx.random.normal((Hkv * G,))
@@ -63,7 +63,7 @@ def test_tq_m_rows_causal_equals_dense(preset, D):
 def test_tq_attention_is_close_to_exact_attention():
     """A sanity bound on quality: 4-bit TurboQuant attention vs FP16 attention on the raw K/V."""
     B, Hkv, D, L = 1, 4, 128, 512
-    cache = KVCacheManager([LayerSpec(Hkv, D)], "tq4", max_rows=L)
+    cache = KVCacheManager([LayerSpec(Hkv, D)], plain("tq4"), max_rows=L)
     k, v = fill(cache, 0, L)
     q = mx.random.normal((B, Hkv, 1, D))
     got = attention_any(cache, 0, q)
@@ -76,7 +76,7 @@ def test_tq_attention_is_close_to_exact_attention():
 @pytest.mark.parametrize("M", [1, 5])
 def test_fp16_layer_matches_dense(with_sinks, M):
     B, Hkv, G, D, L = 2, 2, 4, 64, 33
-    cache = KVCacheManager([LayerSpec(Hkv, D)], "fp16", batch_size=B)
+    cache = KVCacheManager([LayerSpec(Hkv, D)], plain("fp16"), batch_size=B)
     k, v = fill(cache, 0, L)
     q = mx.random.normal((B, Hkv * G, M, D))
     sinks = mx.random.normal((Hkv * G,)) if with_sinks else None
@@ -93,7 +93,7 @@ def test_fp16_layer_matches_dense(with_sinks, M):
 def test_ring_layer_matches_windowed_dense(with_sinks):
     """A sliding-window ring after wrapping several times equals windowed attention over all keys."""
     B, Hkv, G, D, W, L = 1, 2, 2, 64, 16, 100
-    cache = KVCacheManager([LayerSpec(Hkv, D, window=W)], "tq4", batch_size=B, max_rows=4)
+    cache = KVCacheManager([LayerSpec(Hkv, D, window=W)], plain("tq4"), batch_size=B, max_rows=4)
     assert cache.layer_quant(0) is None and cache.ring_capacity(0) == W + 3
     k, v = fill(cache, 0, L, chunk=3)
     assert cache.layer_nbytes(0) == 2 * B * Hkv * (W + 3) * D * 2
@@ -108,8 +108,8 @@ def test_ring_layer_matches_windowed_dense(with_sinks):
 def test_ring_chunk_written_at_once_sees_its_own_window():
     """M rows written together into a full ring: early rows still see their whole window."""
     B, H, D, W, M = 1, 1, 64, 8, 6
-    step = KVCacheManager([LayerSpec(H, D, window=W)], "fp16", max_rows=M)
-    chunk = KVCacheManager([LayerSpec(H, D, window=W)], "fp16", max_rows=M)
+    step = KVCacheManager([LayerSpec(H, D, window=W)], plain("fp16"), max_rows=M)
+    chunk = KVCacheManager([LayerSpec(H, D, window=W)], plain("fp16"), max_rows=M)
     k, v = random_kv(B, H, 30, D)
     q = mx.random.normal((B, H, M, D))
     for p in range(24):
@@ -125,7 +125,7 @@ def test_ring_chunk_written_at_once_sees_its_own_window():
 
 def test_shared_layer_reads_its_owner():
     specs = [LayerSpec(2, 64), LayerSpec(2, 64, shared_from=0)]
-    cache = KVCacheManager(specs, "tq4")
+    cache = KVCacheManager(specs, plain("tq4"))
     fill(cache, 0, 10)
     q = mx.random.normal((1, 4, 1, 64))
     assert cache.layer_quant(1) is cache.layer_quant(0)
@@ -134,7 +134,7 @@ def test_shared_layer_reads_its_owner():
 
 
 def test_attention_input_errors():
-    cache = KVCacheManager([LayerSpec(2, 64)], "tq4")
+    cache = KVCacheManager([LayerSpec(2, 64)], plain("tq4"))
     fill(cache, 0, 4)
     good = mx.random.normal((1, 4, 1, 64))
     with pytest.raises(ValueError, match="head_dim"):
@@ -158,7 +158,7 @@ def test_tq_reference_key_blocks_change_nothing(monkeypatch):
     import turbospark_mlx.quant.reference as reference
 
     B, Hkv, G, D, L, M = 2, 2, 3, 64, 150, 5
-    cache = KVCacheManager([LayerSpec(Hkv, D)], "k8v3", batch_size=B, max_rows=L)
+    cache = KVCacheManager([LayerSpec(Hkv, D)], plain("k8v3"), batch_size=B, max_rows=L)
     fill(cache, 0, L)
     q = mx.random.normal((B, Hkv * G, M, D))
     sinks = mx.random.normal((Hkv * G,))

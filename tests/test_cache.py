@@ -5,7 +5,7 @@ import copy
 import mlx.core as mx
 import pytest
 
-from conftest import assert_same_state, committed_state, random_kv
+from conftest import assert_same_state, committed_state, plain, random_kv
 from turbospark_mlx import (
     PRESETS,
     KVCacheManager,
@@ -74,8 +74,8 @@ def test_chunked_writes_are_bit_exact(kv, B):
 @pytest.mark.parametrize("name", list(PRESETS))
 @pytest.mark.parametrize("B", [1, 2])
 def test_nbytes_matches_preset_formula(name, B):
-    preset = PRESETS[name]
-    cache = make(name, batch_size=B, step=256)
+    preset = plain(name)  # codes only; tests/test_cache_protected.py counts the FP16 window
+    cache = make(preset, batch_size=B, step=256)
     k, v = random_layers(B, 300)
     write_all(cache, k, v, 64)
     cap = 512  # 300 positions in whole steps of 256
@@ -99,7 +99,7 @@ def test_bytes_per_token_and_ratios():
 
 
 def test_storage_grows_in_steps():
-    cache = make("tq4", step=32)
+    cache = make(plain("tq4"), step=32)
     k, v = random_layers(1, 40)
     write_all(cache, k[:1] * 0 + k, v, 1)
     codes = cache.layer_arrays(0)["k_codes"]
@@ -108,12 +108,12 @@ def test_storage_grows_in_steps():
 
 def test_trim_and_rewrite():
     k, v = random_layers(1, 50)
-    a = make("tq3")
+    a = make(plain("tq3"))
     write_all(a, k, v, 10)
     assert a.trim(5) == 5 and a.offset == 45
     k2, v2 = random_layers(1, 5)
     write_all(a, k2, v2, 5)
-    b = make("tq3")
+    b = make(plain("tq3"))
     write_all(b, [x[:, :, :45] for x in k], [x[:, :, :45] for x in v], 45)
     write_all(b, k2, v2, 5)
     for i in (0, 2):

@@ -12,6 +12,10 @@ from turbospark_mlx.quant.reference import fp16_attention_ref
 B, HKV, G, D = 2, 2, 3, 64
 
 
+def plain(name: str) -> TurboQuantConfig:
+    return get_preset(name).with_(name=f"{name}-plain", window_rows=0, sink_rows=0, center_keys=False)
+
+
 def protected(window=16, sinks=4, center=True, base="tq4") -> TurboQuantConfig:
     return get_preset(base).with_(name="p", window_rows=window, sink_rows=sinks, center_keys=center)
 
@@ -93,9 +97,9 @@ def test_centring_and_window_rescue_biased_keys():
     L = 200
     k, v, q = data(L, bias=8.0)
     want = fp16_attention_ref(q, k, v, scale=D**-0.5, mask=attention_mask(mx.arange(L), mx.arange(L)))
-    plain, _ = run(get_preset("tq4"), k, v, q, [1] * L)
+    plain_out, _ = run(plain("tq4"), k, v, q, [1] * L)
     prot, _ = run(protected(window=16, sinks=4), k, v, q, [1] * L)
-    err_plain = mx.abs(plain - want).mean().item()
+    err_plain = mx.abs(plain_out - want).mean().item()
     err_prot = mx.abs(prot - want).mean().item()
     assert err_prot < 0.5 * err_plain, (err_prot, err_plain)
 
@@ -125,16 +129,16 @@ def test_save_load_trim_and_bytes(tmp_path):
     with pytest.raises(ValueError, match="FP16 rows"):
         loaded.trim(65)  # more than max_rows = 64 beyond the window
     # The window and sink rows are counted in the cache's bytes.
-    plain = KVCacheManager([LayerSpec(HKV, D)], "tq4", batch_size=B, max_rows=64)
-    store_kv(plain, 0, 0, k[:, :, :64], v[:, :, :64])
-    store_kv(plain, 0, 64, k[:, :, 64:], v[:, :, 64:])
-    fixed = 2 * B * HKV * (16 + 64 + 4) * D * 2 + B * HKV * D * 4
-    assert cache.nbytes == plain.nbytes + fixed
+    unprotected = KVCacheManager([LayerSpec(HKV, D)], plain("tq4"), batch_size=B, max_rows=64)
+    store_kv(unprotected, 0, 0, k[:, :, :64], v[:, :, :64])
+    store_kv(unprotected, 0, 64, k[:, :, 64:], v[:, :, 64:])
+    fixed = 2 * B * HKV * (16 + 64 + 4) * D * 2 + B * HKV * D * 4  # full ring, sink rows, key mean
+    assert cache.nbytes == unprotected.nbytes + fixed
 
 
 def test_config_fields_validate_and_round_trip():
     with pytest.raises(ValueError, match="window_rows >= 1"):
-        get_preset("tq4").with_(center_keys=True)
+        get_preset("tq4").with_(window_rows=0, center_keys=True)
     with pytest.raises(ValueError, match=">= 0"):
         get_preset("tq4").with_(sink_rows=-1)
     c = protected()

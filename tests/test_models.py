@@ -140,3 +140,39 @@ def test_unsupported_model_type_lists_supported():
         get_model_classes("bert")
     msg = str(e.value)
     assert "'bert'" in msg and "llama" in msg and "qwen3" in msg
+
+
+def test_biased_keys_break_plain_4bit_not_the_shipped_tq4():
+    """A tiny qwen2 whose key projections carry a large bias on the low-frequency RoPE channels
+    (where biased-key model families keep theirs): plain 4-bit TurboQuant keys lose the attention
+    pattern, the shipped tq4 (FP16 window, sink rows, centred keys) keeps the model's predictions."""
+    config = dict(CONFIGS["qwen2"], hidden_size=128, intermediate_size=256, max_position_embeddings=1024)
+    Model, Args = get_model_classes("qwen2")
+    model = Model(Args.from_dict(config))
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.2, model.parameters()))
+    D = config["hidden_size"] // config["num_attention_heads"]
+    for layer in model.model.layers:
+        b = layer.self_attn.k_proj.bias
+        low = mx.array([float((c % D) % (D // 2) >= D // 4) for c in range(b.shape[0])])
+        layer.self_attn.k_proj.bias = b + 300.0 * low * mx.random.normal(b.shape)
+    mx.eval(model.parameters())
+    L, chunk = 400, 64
+    x = mx.random.randint(0, config["vocab_size"], (1, L))
+
+    def logprobs(kv):
+        cache = ts.make_cache(model, kv=kv, max_rows=chunk)
+        out = mx.concatenate([model(x[:, s : s + chunk], cache=cache) for s in range(0, L, chunk)], axis=1)
+        return nn.log_softmax(out[0, 200:].astype(mx.float32))  # positions well past the window
+
+    ref = logprobs("fp16")
+
+    def agreement_and_kl(kv):
+        lp = logprobs(kv)
+        agree = (lp.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
+        return agree, (mx.exp(ref) * (ref - lp)).sum(-1).mean().item()
+
+    plain = ts.get_preset("tq4").with_(name="tq4-plain", window_rows=0, sink_rows=0, center_keys=False)
+    agree, kl = agreement_and_kl(plain)
+    assert agree < 0.8 and kl > 0.02, (agree, kl)  # broken
+    agree, kl = agreement_and_kl("tq4")
+    assert agree >= 0.98 and kl < 0.002, (agree, kl)

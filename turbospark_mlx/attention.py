@@ -161,7 +161,12 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     # Codes: positions [S, q_end) in slots [0, q_end - S); row t reads those <= t - W.
     q_end = cache.quantized_end(layer, end)
     key_mean = arrays["k_mean"] if config.center_keys and q_end > S else None
-    codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    if "k_codes" in arrays:
+        codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    else:  # no row has left the window yet
+        B, Hkv = keys.shape[:2]
+        words = (quant.k.words, None, quant.v.words, None)
+        codes = [mx.zeros((B, Hkv, 0) + (() if w is None else (w,)), mx.float32 if w is None else mx.uint32) for w in words]
     group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
     backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
     if backend == "reference":

@@ -124,7 +124,10 @@ def load(path: str, cls: type):
     for i, l in cache.owned_layers().items():
         cap, off = capacities.get(i), offsets.get(i)
         ring = l.ring_capacity
-        if cap is None or off is None or off < 0 or cap < min(off, ring or off) or cap > (ring or cap):
+        need = None if off is None else min(off, ring or off)
+        if l.recent_capacity and off is not None:  # codes only for rows that left the window
+            need = cache.quantized_end(i, off) - cache.config.sink_rows
+        if cap is None or off is None or off < 0 or cap < need or cap > (ring or cap):
             raise ValueError(f"KV cache file {path!r}: bad offset/capacity for layer {i}")
         layout = cache.storage_layout(i) if cap else {}
         for name, (tail, dtype) in layout.items():
@@ -136,9 +139,12 @@ def load(path: str, cls: type):
             l.arrays[name] = a
         for name, (shape, dtype) in cache.fixed_layout(i).items():
             a = tensors.get(f"layer.{i}.{name}")
-            if a is None or a.shape != shape or a.dtype != dtype:
-                got = None if a is None else (a.shape, a.dtype)
-                raise ValueError(f"KV cache file {path!r}: layer {i} {name} is {got}, expected {(shape, dtype)}")
+            if a is None:
+                raise ValueError(f"KV cache file {path!r}: layer {i} has no {name}")
+            try:
+                cache._check_fixed(i, name, a, shape, dtype)
+            except ValueError as e:
+                raise ValueError(f"KV cache file {path!r}: {e}") from None
             l.arrays[name] = a
         l.capacity, l.offset = cap, off
     if set(tensors) != set(_tensors(cache)):

@@ -30,7 +30,7 @@ import mlx.core as mx
 from ..gpu.quantize import tq_quantize
 from ..quant.config import TurboQuantConfig, get_preset
 from ..quant.tables import SIDES, LayerQuant, side_quant
-from . import io
+from . import io, window
 from .spec import LayerSpec
 
 
@@ -160,8 +160,7 @@ class KVCacheManager:
             l = self._layers[i] = _Layer(spec, quant, ring)
             if quant is not None and self.config.is_protected:
                 l.recent_capacity = self.config.window_rows + max_rows
-                for name, (shape, dtype) in self._fixed_layout(l).items():
-                    l.arrays[name] = mx.zeros(shape, dtype=dtype)
+                l.arrays.update(self._empty_fixed(l))
 
     def _check_spec(self, i: int, spec: LayerSpec) -> None:
         if spec.n_kv_heads < 1 or spec.head_dim < 1:
@@ -286,11 +285,13 @@ class KVCacheManager:
         return sum(a.nbytes for a in self._layers[layer].arrays.values())
 
     def fp16_nbytes(self) -> int:
-        """What the same allocated capacity would take as FP16 K and V."""
-        return sum(
-            2 * self.batch_size * l.spec.n_kv_heads * l.capacity * l.spec.head_dim * 2
-            for l in self._layers.values()
-        )
+        """What the same allocated capacity would take as FP16 K and V (a protected layer: the
+        capacity an FP16 layer would have allocated for its positions)."""
+        total = 0
+        for l in self._layers.values():
+            rows = -(-l.offset // self.step) * self.step if l.recent_capacity else l.capacity
+            total += 2 * self.batch_size * l.spec.n_kv_heads * rows * l.spec.head_dim * 2
+        return total
 
     def summary(self) -> str:
         """A printable table: per layer its kind, shape, offset and bytes."""
@@ -393,16 +394,13 @@ class KVCacheManager:
         }
 
     def _fixed_layout(self, l: _Layer) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
-        """Name -> (shape, dtype) of a protected layer's fixed-size arrays: the FP16 ring of
-        recent rows, the FP16 sink rows and the key mean (empty for other layers)."""
-        if not l.recent_capacity:
-            return {}
-        B, H, D = self.batch_size, l.spec.n_kv_heads, l.spec.head_dim
-        out = {f"{s}_recent": ((B, H, l.recent_capacity, D), self.dtype) for s in SIDES}
-        out.update({f"{s}_sinks": ((B, H, self.config.sink_rows, D), self.dtype) for s in SIDES})
-        if self.config.center_keys:
-            out["k_mean"] = ((B, H, D), mx.float32)
-        return out
+        return window.fixed_layout(l, self.config, self.batch_size, self.dtype)
+
+    def _empty_fixed(self, l: _Layer) -> dict[str, mx.array]:
+        return window.empty_fixed(self._fixed_layout(l))
+
+    def _check_fixed(self, layer: int, name: str, a: mx.array, want: tuple, dtype: mx.Dtype) -> None:
+        window.check_fixed(layer, name, a, want, dtype)
 
     def fixed_layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
         """Name -> (shape, dtype) of `layer`'s fixed-size arrays (a protected TurboQuant layer)."""
@@ -421,8 +419,9 @@ class KVCacheManager:
     def recent_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each slot of a protected layer's recent ring once `end` positions
         are written (-1: not written)."""
-        cap = self._layer(layer).recent_capacity
-        s = mx.arange(cap)
+        l = self._layer(layer)
+        cap = l.recent_capacity
+        s = mx.arange(l.arrays["k_recent"].shape[2])
         return mx.where(s < end, s + cap * ((end - 1 - s) // cap), -1)
 
     def _put(self, l: _Layer, name: str, position: int, rows: mx.array) -> None:
@@ -445,7 +444,7 @@ class KVCacheManager:
                 )
         l = self._layers[layer]
         if l.recent_capacity:
-            self._commit_protected(l, position, m)
+            window.commit(self, l, position, m)
         elif self.is_staged(layer):
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
             rows = {}
@@ -461,39 +460,6 @@ class KVCacheManager:
         for side in SIDES:
             del self.stage.pending[(layer, side)]
         l.offset = position + m
-
-    def _commit_protected(self, l: _Layer, position: int, m: int) -> None:
-        """Commit on a protected layer: the rows go to the FP16 ring (and the sink rows), and
-        the rows that leave the window by this commit are quantized from the ring."""
-        S, W, R = self.config.sink_rows, self.config.window_rows, l.recent_capacity
-        end = position + m
-        buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
-        for side in SIDES:
-            rows = buf[side][:, :, :m]
-            if position < S:
-                n = min(S, end) - position
-                l.arrays[f"{side}_sinks"][:, :, position : position + n] = rows[:, :, :n]
-            ring = l.arrays[f"{side}_recent"]
-            start = position % R
-            first = min(m, R - start)
-            ring[:, :, start : start + first] = rows[:, :, :first]
-            if first < m:
-                ring[:, :, : m - first] = rows[:, :, first:]
-        self._reserve(l, end)
-        q0, q1 = max(S, position - W), max(S, end - W)
-        if q1 <= q0:
-            return
-        if self.config.center_keys and q0 == S:  # the first quantized rows: estimate the mean
-            at = mx.array([p % R for p in range(S, S + W)])
-            l.arrays["k_mean"] = mx.take(l.arrays["k_recent"], at, axis=2).astype(mx.float32).mean(axis=2)
-        at = mx.array([p % R for p in range(q0, q1)])
-        for side in SIDES:
-            rows = mx.take(l.arrays[f"{side}_recent"], at, axis=2)
-            if side == "k" and self.config.center_keys:
-                rows = rows.astype(mx.float32) - l.arrays["k_mean"][:, :, None, :]
-            codes, norms = tq_quantize(rows, l.quant.side(side))
-            self._put(l, f"{side}_codes", q0 - S, codes)  # slot p - S: the sink rows have no codes
-            self._put(l, f"{side}_norms", q0 - S, norms)
 
     def slot_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each storage slot [0, capacity) once `end` positions are written.
@@ -521,6 +487,10 @@ class KVCacheManager:
         if l.ring_capacity is not None:
             raise ValueError(f"layer {layer} is a sliding-window ring; only growing layers can be set")
         layout = self._storage_layout(l) if arrays else {}
+        if l.recent_capacity and not set(layout) & set(arrays):  # no row has left the window yet
+            layout = {}
+            if self.quantized_end(layer, offset) > self.config.sink_rows:
+                raise ValueError(f"layer {layer}: {offset} positions need codes, and none are given")
         fixed = self._fixed_layout(l) if arrays else {}
         if set(arrays) != set(layout) | set(fixed):
             raise ValueError(
@@ -534,15 +504,16 @@ class KVCacheManager:
             if a.shape != want or a.dtype != dtype:
                 raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
         for name, (want, dtype) in fixed.items():
-            a = arrays[name]
-            if a.shape != want or a.dtype != dtype:
-                raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
-        if not isinstance(offset, int) or not 0 <= offset <= cap:
-            raise ValueError(f"layer {layer}: offset {offset!r} outside the {cap} positions given")
+            self._check_fixed(layer, name, arrays[name], want, dtype)
+        held = cap + self.config.window_rows + self.config.sink_rows if l.recent_capacity else cap
+        if not isinstance(offset, int) or not 0 <= offset <= held:
+            raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")
+        if l.recent_capacity and self.quantized_end(layer, offset) - self.config.sink_rows > cap:
+            raise ValueError(f"layer {layer}: {offset} positions need more codes than the {cap} given")
         if self.max_context is not None and offset > self.max_context:
             raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")
-        if not arrays:  # emptied: a protected layer keeps zeroed fixed-size arrays
-            arrays = {n: mx.zeros(shape, dtype=dt) for n, (shape, dt) in self._fixed_layout(l).items()}
+        if not arrays:  # emptied: a protected layer starts over with empty fixed arrays
+            arrays = self._empty_fixed(l)
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
         for side in SIDES:
             self.stage.pending.pop((layer, side), None)

@@ -177,15 +177,16 @@ class _TurboSparkCacheBase:
 
     def _restore(self, arrays: Sequence, offset: int) -> None:
         """Rebuild the manager from stored arrays (None or empty when nothing was written)."""
-        arrays = [None if a is None or a.size == 0 else a for a in arrays]
-        if any(a is None for a in arrays):
+        if len(arrays) != len(self._names()):
+            raise ValueError(f"{type(self).__name__}: state has {len(arrays)} arrays, expected {len(self._names())}")
+        # A protected layer holds no codes until a row leaves its window: those entries are None.
+        named = {n: a for n, a in zip(self._names(), arrays) if a is not None and a.size > 0}
+        if not named:
             if offset:
                 raise ValueError(f"{type(self).__name__}: state has offset {offset} but no storage arrays")
             return
-        if len(arrays) != len(self._names()):
-            raise ValueError(f"{type(self).__name__}: state has {len(arrays)} arrays, expected {len(self._names())}")
-        self._kv = self._manager(arrays[0].shape[0])
-        self._kv.set_layer_arrays(0, dict(zip(self._names(), arrays)), int(offset))
+        self._kv = self._manager(next(iter(named.values())).shape[0])
+        self._kv.set_layer_arrays(0, named, int(offset))
 
 
 class TurboSparkKVCache(_TurboSparkCacheBase):
