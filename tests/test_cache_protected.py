@@ -187,3 +187,17 @@ def test_mlx_lm_batch_cache_refuses_protected_presets():
 
     with pytest.raises(NotImplementedError, match="window_rows=0"):
         TurboSparkBatchKVCache([0, 2], kv=protected())
+
+
+def test_tq4_bytes_at_32k_with_window_and_sinks():
+    """At 32k positions and head_dim 128 a shipped-tq4 layer holds under 0.30x the FP16 bytes,
+    counting its FP16 ring (window + max_rows rows), sink rows and key mean."""
+    cache = KVCacheManager([LayerSpec(1, 128)], "tq4", max_rows=512)
+    rows = mx.random.normal((1, 1, 512, 128)).astype(mx.float16)
+    for s in range(0, 32768, 512):
+        store_kv(cache, 0, s, rows, rows)
+    fp16 = 2 * 32768 * 128 * 2
+    assert cache.fp16_nbytes() == fp16
+    ratio = cache.nbytes / fp16
+    print(f"tq4 at 32k: {ratio:.3f}x FP16")
+    assert 0.26 < ratio <= 0.30
