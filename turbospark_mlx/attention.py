@@ -163,10 +163,9 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     key_mean = arrays["k_mean"] if config.center_keys and q_end > S else None
     if "k_codes" in arrays:
         codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
-    else:  # no row has left the window yet
-        B, Hkv = keys.shape[:2]
-        words = (quant.k.words, None, quant.v.words, None)
-        codes = [mx.zeros((B, Hkv, 0) + (() if w is None else (w,)), mx.float32 if w is None else mx.uint32) for w in words]
+    else:  # no row has left the window yet: zero-length codes
+        n = (B, keys.shape[1], 0)
+        codes = [mx.zeros((*n, quant.k.words), mx.uint32), mx.zeros(n), mx.zeros((*n, quant.v.words), mx.uint32), mx.zeros(n)]
     group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
     backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
     if backend == "reference":
