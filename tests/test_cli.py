@@ -57,3 +57,27 @@ def test_unknown_preset_is_a_clear_error(tmp_path, capsys):
 def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit):
         cli.main([])
+
+
+def test_version_and_module_entry_point():
+    import subprocess
+    import sys
+
+    import turbospark_mlx
+
+    out = subprocess.run([sys.executable, "-m", "turbospark_mlx", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"turbospark-mlx {turbospark_mlx.__version__}"
+    out = subprocess.run([sys.executable, "-m", "turbospark_mlx", "generate", "--kv", "nope"], capture_output=True, text=True)
+    assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_one_default_preset_everywhere():
+    import inspect
+
+    from turbospark_mlx import KVCacheManager, make_cache, stream_generate
+    from turbospark_mlx.mlx_lm import TurboSparkKVCache, make_prompt_cache, patch_model
+    from turbospark_mlx.quant.config import DEFAULT_PRESET
+
+    assert cli.build_parser().parse_args(["generate"]).kv == DEFAULT_PRESET
+    for fn in (KVCacheManager, make_cache, stream_generate, make_prompt_cache, patch_model, TurboSparkKVCache):
+        assert inspect.signature(fn).parameters["kv"].default == DEFAULT_PRESET, fn

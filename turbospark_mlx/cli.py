@@ -246,10 +246,17 @@ def _add_eval_parser(sub) -> None:
     e.set_defaults(func=_eval)
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="turbospark-mlx", description="MLX generation with a TurboQuant KV cache"
     )
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument(

@@ -16,11 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCacheManager, make_cache
-from .quant.config import TurboQuantConfig
+from .quant.config import DEFAULT_PRESET, TurboQuantConfig
 
-# Default KV preset: the one within +0.5% perplexity of FP16, and the closest in KL, on every
-# model of benchmarks/results/quality.md (k8v4: 99% top-1 agreement on SmolLM2-135M).
-DEFAULT_KV = "k8v4"
+DEFAULT_KV = DEFAULT_PRESET
 
 
 @dataclass

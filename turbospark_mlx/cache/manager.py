@@ -28,7 +28,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..gpu.quantize import tq_quantize
-from ..quant.config import TurboQuantConfig, get_preset
+from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
 from ..quant.tables import SIDES, LayerQuant, side_quant
 from . import io, window
 from .spec import LayerSpec
@@ -110,7 +110,7 @@ class KVCacheManager:
     def __init__(
         self,
         layers: Sequence[LayerSpec],
-        kv: str | TurboQuantConfig = "tq4",
+        kv: str | TurboQuantConfig = DEFAULT_PRESET,
         *,
         batch_size: int = 1,
         max_rows: int = 512,
@@ -546,7 +546,7 @@ class KVCacheManager:
         self.__dict__.update(other.__dict__)
 
 
-def make_cache(model, kv: str | TurboQuantConfig = "tq4", **kwargs) -> KVCacheManager:
+def make_cache(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs) -> KVCacheManager:
     """A KVCacheManager laid out for `model` (anything with `kv_layer_specs()`).
 
     kwargs go to KVCacheManager (batch_size, max_rows, max_context, dtype, step).

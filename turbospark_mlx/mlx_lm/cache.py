@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..attention import attention_any
 from ..cache import KVCacheManager, LayerSpec, store_kv
-from ..quant.config import TurboQuantConfig, get_preset
+from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
 
 __all__ = ["TurboSparkBatchKVCache", "TurboSparkKVCache"]
 
@@ -206,7 +206,7 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
     """
 
     def __init__(
-        self, kv: str | TurboQuantConfig = "tq4", *, max_rows: int = 256, q_block: int = 256, dtype=None
+        self, kv: str | TurboQuantConfig = DEFAULT_PRESET, *, max_rows: int = 256, q_block: int = 256, dtype=None
     ):
         self._setup(kv, max_rows, q_block, dtype)
 
@@ -292,7 +292,7 @@ class TurboSparkBatchKVCache(_TurboSparkCacheBase):
     storage row.
     """
 
-    def __init__(self, left_padding: Sequence[int], kv="tq4", *, max_rows=256, q_block=256, dtype=None):
+    def __init__(self, left_padding: Sequence[int], kv=DEFAULT_PRESET, *, max_rows=256, q_block=256, dtype=None):
         self._setup(kv, max_rows, q_block, dtype)
         if self.config.is_protected:
             raise NotImplementedError(

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..quant.config import TurboQuantConfig, get_preset
+from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
 from .cache import TurboSparkBatchKVCache, TurboSparkKVCache, _TurboSparkCacheBase
 
 _CACHE_CLASSES = (TurboSparkKVCache, TurboSparkBatchKVCache)
@@ -152,7 +152,7 @@ def _base_caches(model) -> list:
 
 def make_prompt_cache(
     model,
-    kv: str | TurboQuantConfig = "tq4",
+    kv: str | TurboQuantConfig = DEFAULT_PRESET,
     *,
     max_rows: int = 256,
     q_block: int = 256,
@@ -190,7 +190,7 @@ def make_prompt_cache(
     return base
 
 
-def patch_model(model, kv: str | TurboQuantConfig = "tq4", **kwargs):
+def patch_model(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs):
     """Make every cache mlx-lm builds for `model` a TurboSpark one; returns the model.
 
     Sets an instance attribute `model.make_cache`, which mlx-lm's

@@ -175,6 +175,12 @@ PRESETS: dict[str, TurboQuantConfig] = {
 }
 
 
+# The default preset of generation, the CLI, the cache manager and the mlx-lm drop-in: within
+# +0.5% perplexity of FP16, and the closest in KL, on every model of
+# benchmarks/results/quality.md (99% top-1 agreement on SmolLM2-135M).
+DEFAULT_PRESET = "k8v4"
+
+
 def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
     """Resolve a preset name (or pass a config through); unknown names list the valid ones."""
     if isinstance(kv, TurboQuantConfig):
