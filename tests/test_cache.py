@@ -286,3 +286,30 @@ def test_load_refuses_other_layout(filled, tmp_path):
     other = make("tq3", batch_size=2, max_rows=8)
     with pytest.raises(ValueError, match="different preset"):
         other.load_state(path)
+
+
+def test_interrupted_save_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """Saves go to a temporary file that replaces the target only once written: a save that
+    fails half-way leaves the previous file intact and no temporary file behind."""
+    from turbospark_mlx.cache import io
+
+    cache = make(plain("tq4"))
+    k, v = random_layers(1, 20)
+    write_all(cache, k, v, 20)
+    path = cache.save(str(tmp_path / "kv.safetensors"))
+    before = open(path, "rb").read()
+    real = mx.save_safetensors
+
+    def interrupted(file, tensors, metadata=None):
+        real(file, tensors, metadata=metadata)
+        with open(file, "r+b") as f:
+            f.truncate(100)  # a partial write ...
+        raise KeyboardInterrupt  # ... then the process is interrupted
+
+    monkeypatch.setattr(io.mx, "save_safetensors", interrupted)
+    write_all(cache, *random_layers(1, 5), 5)
+    with pytest.raises(KeyboardInterrupt):
+        cache.save(path)
+    assert open(path, "rb").read() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.safetensors"]
+    KVCacheManager.from_file(path)  # still loads
