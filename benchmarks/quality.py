@@ -51,11 +51,6 @@ MODELS = {
 }
 
 
-def plain(name: str) -> ts.TurboQuantConfig:
-    """The preset as plain TurboQuant: every row quantized on write, keys not centred."""
-    return ts.get_preset(name).with_(name=f"{name}-plain", window_rows=0, sink_rows=0, center_keys=False)
-
-
 def markdown(results: list[dict]) -> str:
     lines = ["# KV-cache quality against the FP16 cache", ""]
     for r in results:
@@ -87,7 +82,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     text = TEXT.read_text()
-    presets = ["fp16"] + [p for name in args.presets for p in (name, plain(name))]
+    presets = ["fp16"] + [p for name in args.presets for p in (name, ts.get_preset(name).plain())]
     results = []
     for name in args.models:
         path = MODELS[name]()

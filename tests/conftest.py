@@ -12,8 +12,7 @@ def _seed():
 def plain(name: str) -> TurboQuantConfig:
     """A preset without its FP16 window, sink rows and key centring: plain TurboQuant layers,
     whose storage is codes only (what the tests of the codes path need)."""
-    p = get_preset(name)
-    return p if p.is_fp16 else p.with_(name=f"{name}-plain", window_rows=0, sink_rows=0, center_keys=False)
+    return get_preset(name).plain()
 
 
 def random_kv(B, H, L, D, dtype=mx.float16, scale=1.0):

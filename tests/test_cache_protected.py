@@ -3,6 +3,7 @@
 
 import mlx.core as mx
 import pytest
+from conftest import plain
 
 from turbospark_mlx import KVCacheManager, LayerSpec, TurboQuantConfig, attention_any, get_preset, store_kv
 from turbospark_mlx.attention import attention_mask
@@ -10,10 +11,6 @@ from turbospark_mlx.quant import dequantize_ref
 from turbospark_mlx.quant.reference import fp16_attention_ref
 
 B, HKV, G, D = 2, 2, 3, 64
-
-
-def plain(name: str) -> TurboQuantConfig:
-    return get_preset(name).with_(name=f"{name}-plain", window_rows=0, sink_rows=0, center_keys=False)
 
 
 def protected(window=16, sinks=4, center=True, base="tq4") -> TurboQuantConfig:
@@ -143,6 +140,7 @@ def test_config_fields_validate_and_round_trip():
         get_preset("tq4").with_(sink_rows=-1)
     c = protected()
     assert TurboQuantConfig.from_json(c.to_json()) == c and c.is_protected
+    assert not c.plain().is_protected and (c.plain().k_bits, c.plain().name) == (c.k_bits, "p-plain")
     assert not get_preset("fp16").with_(window_rows=8).is_protected
 
 

@@ -236,7 +236,7 @@ def test_cache_paths_use_kernels_and_match_reference():
     def run(backend):
         mx.random.seed(11)
         with use_backend(backend):
-            cache = KVCacheManager(specs, kv="k8v4", max_rows=16)
+            cache = KVCacheManager(specs, kv=get_preset("k8v4").plain(), max_rows=16)  # the codes-only kernels
             assert all(cache.layer_quant(i) is not None for i in range(2))
             outs = []
             pos = 0

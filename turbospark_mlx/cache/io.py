@@ -19,6 +19,7 @@ import numpy as np
 
 from ..quant.config import TurboQuantConfig
 from ..quant.tables import SIDES
+from . import window
 from .spec import LayerSpec
 
 FILE_FORMAT = "turbospark-kv/1"
@@ -142,7 +143,7 @@ def load(path: str, cls: type):
             if a is None:
                 raise ValueError(f"KV cache file {path!r}: layer {i} has no {name}")
             try:
-                cache._check_fixed(i, name, a, shape, dtype)
+                window.check_fixed(i, name, a, shape, dtype)
             except ValueError as e:
                 raise ValueError(f"KV cache file {path!r}: {e}") from None
             l.arrays[name] = a

@@ -399,9 +399,6 @@ class KVCacheManager:
     def _empty_fixed(self, l: _Layer) -> dict[str, mx.array]:
         return window.empty_fixed(self._fixed_layout(l))
 
-    def _check_fixed(self, layer: int, name: str, a: mx.array, want: tuple, dtype: mx.Dtype) -> None:
-        window.check_fixed(layer, name, a, want, dtype)
-
     def fixed_layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
         """Name -> (shape, dtype) of `layer`'s fixed-size arrays (a protected TurboQuant layer)."""
         return self._fixed_layout(self._layers[layer])
@@ -504,7 +501,7 @@ class KVCacheManager:
             if a.shape != want or a.dtype != dtype:
                 raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
         for name, (want, dtype) in fixed.items():
-            self._check_fixed(layer, name, arrays[name], want, dtype)
+            window.check_fixed(layer, name, arrays[name], want, dtype)
         held = cap + self.config.window_rows + self.config.sink_rows if l.recent_capacity else cap
         if not isinstance(offset, int) or not 0 <= offset <= held:
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")

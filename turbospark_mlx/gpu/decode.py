@@ -19,6 +19,7 @@ import struct
 
 import mlx.core as mx
 
+from ..quant.reference import fp16_rows_partial_ref
 from ..quant.tables import LayerQuant
 from . import backend as _backend
 from .args import bits_reason, padded_table, rotation_arg, sinks_arg, step_args
@@ -290,17 +291,11 @@ def tq_decode_attention(
 
 
 def _dense_partial(queries, keys, values, mask, quant: LayerQuant, scale: float, RP: int):
-    """One more tile for the reduce: FP16 rows' softmax statistics and weighted V in the
-    kernel's layout (part_o (B, Hkv, 1, R, D) in Π_V space; part_ms (B, Hkv, 1, RP, 2))."""
+    """One more tile for the reduce: the FP16 rows' partial in the kernel's layout
+    (part_o (B, Hkv, 1, R, D) in Π_V space; part_ms (B, Hkv, 1, RP, 2))."""
     B, Hq, M, D = queries.shape
-    Hkv = keys.shape[1]
-    G = Hq // Hkv
-    q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
-    scores = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))  # (B, Hkv, G, M, Ld)
-    scores = mx.where(mask[:, :, None], scores, -mx.inf)
-    m = scores.max(axis=-1, keepdims=True)
-    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
-    o = p @ quant.v.rotation.apply(values.astype(mx.float32))[:, :, None]  # (B, Hkv, G, M, D)
-    ms = mx.concatenate([m, p.sum(axis=-1, keepdims=True)], axis=-1).reshape(B, Hkv, 1, G * M, 2)
-    pad = mx.broadcast_to(mx.array([-mx.inf, 0.0]), (B, Hkv, 1, RP - G * M, 2))
-    return o.reshape(B, Hkv, 1, G * M, D), mx.concatenate([ms, pad], axis=3)
+    Hkv, R = keys.shape[1], Hq // keys.shape[1] * M
+    m, l, o = fp16_rows_partial_ref(queries, keys, values, mask, quant, scale)
+    ms = mx.concatenate([m, l], axis=-1).reshape(B, Hkv, 1, R, 2)
+    pad = mx.broadcast_to(mx.array([-mx.inf, 0.0]), (B, Hkv, 1, RP - R, 2))
+    return o.reshape(B, Hkv, 1, R, D), mx.concatenate([ms, pad], axis=3)

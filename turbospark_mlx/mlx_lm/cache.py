@@ -297,8 +297,8 @@ class TurboSparkBatchKVCache(_TurboSparkCacheBase):
         if self.config.is_protected:
             raise NotImplementedError(
                 f"preset {self.config.name!r} keeps FP16 window / sink rows, which batched generation "
-                "does not merge yet; for BatchGenerator pass a preset with window_rows=0, sink_rows=0 "
-                "and center_keys=False"
+                f"does not merge yet; for BatchGenerator pass get_preset({self.config.name!r}).plain() "
+                "(window_rows=0, sink_rows=0, center_keys=False)"
             )
         self._pad = [int(p) for p in left_padding]
         self.offset = mx.array([-p for p in self._pad])

@@ -130,6 +130,12 @@ class TurboQuantConfig:
             return False
         return self.fp16_first <= layer < n_layers - self.fp16_last
 
+    def plain(self) -> "TurboQuantConfig":
+        """The same bits as plain TurboQuant: every row quantized on write, keys not centred."""
+        if self.is_fp16:
+            return self
+        return self.with_(name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False)
+
     def to_json(self) -> str:
         """The preset as JSON (the form cache files and the mlx-lm adapter store)."""
         return json.dumps(asdict(self))
@@ -158,7 +164,7 @@ class TurboQuantConfig:
 # What every compressed preset keeps exact: the newest 128 positions and the first 4 in FP16,
 # and keys centred per KV head. Without them tq4 costs +14% perplexity on SmolLM2-135M and
 # breaks biased-key models; with them it is within a fraction of a percent
-# (benchmarks/results/quality.md). Turn a part off with `get_preset("tq4").with_(window_rows=0)`.
+# (benchmarks/results/quality.md). Turn a part off with `.with_(window_rows=0)`, all of it with `.plain()`.
 PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True)
 
 PRESETS: dict[str, TurboQuantConfig] = {

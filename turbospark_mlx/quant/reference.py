@@ -113,7 +113,6 @@ def tq_attention_ref(
     B, Hq, M, D = queries.shape
     Hkv, L = k_codes.shape[1], k_codes.shape[2]
     G = Hq // Hkv
-    q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
     q_rot = quant.k.rotation.apply(queries).reshape(B, Hkv, G, M, D)  # q' = Π_K q, once per step
     # Online softmax over key blocks: only one block of keys is ever decoded to
     # float32, so the working memory of a step does not grow with the context.
@@ -124,33 +123,56 @@ def tq_attention_ref(
         denom = mx.ones(m.shape)
     acc = mx.zeros((B, Hkv, G, M, D))
 
-    def update(scores, v_rot, visible):
+    def merge(part):
         nonlocal m, denom, acc
-        if visible is not None:
-            scores = mx.where(visible[:, :, None], scores, -mx.inf)
-        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
+        pm, pl, po = part
+        m_new = mx.maximum(m, pm)
         m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows that have seen no key yet
-        alpha = mx.exp(m - m_safe)
-        p = mx.exp(scores - m_safe)
-        denom = denom * alpha + p.sum(axis=-1, keepdims=True)
-        acc = acc * alpha + p @ v_rot
+        alpha, beta = mx.exp(m - m_safe), mx.exp(pm - m_safe)
+        denom = denom * alpha + pl * beta
+        acc = acc * alpha + po * beta
         m = m_new
 
-    if dense is not None:  # FP16 rows: scores need no rotation (q'·k' = q·k); V goes to Π_V v
-        keys, values, dense_mask = dense
-        scores = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
-        update(scores, quant.v.rotation.apply(values.astype(mx.float32))[:, :, None], dense_mask)
+    if dense is not None:
+        merge(fp16_rows_partial_ref(queries, *dense, quant, scale))
     offset = 0.0
     if key_mean is not None:
+        q = queries.astype(mx.float32).reshape(B, Hkv, G, M, D)
         offset = scale * (q @ key_mean.astype(mx.float32)[:, :, None, :, None])  # (B, Hkv, G, M, 1)
     for s in range(0, L, REF_KEY_BLOCK):
         e = min(L, s + REF_KEY_BLOCK)
         k_rot = dequantize_rotated_ref(k_codes[:, :, s:e], k_norms[:, :, s:e], quant.k)[:, :, None]
         v_rot = dequantize_rotated_ref(v_codes[:, :, s:e], v_norms[:, :, s:e], quant.v)[:, :, None]
         scores = scale * (q_rot @ k_rot.swapaxes(-1, -2)) + offset  # (B, Hkv, G, M, block)
-        update(scores, v_rot, None if mask is None else mask[:, :, :, s:e])
+        merge(_partial(scores, v_rot, None if mask is None else mask[:, :, :, s:e]))
     out = quant.v.rotation.invert(acc / denom)  # o = Π_Vᵀ o', once per step
     return out.reshape(B, Hq, M, D).astype(queries.dtype)
+
+
+def _partial(scores: mx.array, v_rot: mx.array, visible: mx.array | None):
+    """Softmax statistics of one block of keys: (row max, sum of exp(s - max), weighted V).
+    A row that sees no key has max -inf, sum 0 and zero output."""
+    if visible is not None:
+        scores = mx.where(visible[:, :, None], scores, -mx.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+    return m, p.sum(axis=-1, keepdims=True), p @ v_rot
+
+
+def fp16_rows_partial_ref(
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, quant: LayerQuant, scale: float
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The partial of FP16 rows (a protected layer's window and sink rows) in the rotated V
+    space: scores need no rotation (q'·k' = q·k), V goes to Π_V v.
+
+    Returns (m, l, o'), (B, Hkv, G, M, 1), (B, Hkv, G, M, 1) and (B, Hkv, G, M, D); the
+    reference merges it with the codes' blocks, the GPU path hands it to the decode reduce.
+    """
+    B, Hq, M, D = queries.shape
+    Hkv = keys.shape[1]
+    q = queries.astype(mx.float32).reshape(B, Hkv, Hq // Hkv, M, D)
+    scores = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))  # (B, Hkv, G, M, Ld)
+    return _partial(scores, quant.v.rotation.apply(values.astype(mx.float32))[:, :, None], mask)
 
 
 def _softmax_weighted(scores, values, mask, sinks, n_kv_heads: int, group: int) -> mx.array:
