@@ -343,6 +343,23 @@ def test_generate_on_tiny_model(tmp_path):
     assert a == b
 
 
+@pytest.mark.parametrize("stop_at", [None, 2])
+def test_generate_leaves_the_cache_at_the_tokens_fed(tmp_path, stop_at):
+    """Generation computes each next step ahead of reading the token; when it finishes, the
+    cache holds the prompt and every emitted token but the last (what was fed back), whether
+    it ends by length or by a stop token, and a continuation reads on from there."""
+    model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
+    ids = tok.encode("w1 w2 w3 w4 w5")
+    free = [r.token for r in ts.stream_generate(model, tok, ids, kv="tq4", max_tokens=5, stop_tokens=[])]
+    stops = [] if stop_at is None else [free[stop_at]]
+    cache = ts.make_cache(model, kv="tq4", max_rows=8)
+    out = [r.token for r in ts.stream_generate(model, tok, ids, cache=cache, max_tokens=5, stop_tokens=stops)]
+    assert out == (free if stop_at is None else free[: free.index(stops[0]) + 1])
+    assert cache.offset == len(ids) + len(out) - 1
+    more = list(ts.stream_generate(model, tok, [out[-1]], cache=cache, max_tokens=2, stop_tokens=[]))
+    assert cache.offset == len(ids) + len(out) + 1 and len(more) == 2
+
+
 def test_generate_takes_a_config_object(tmp_path):
     """kv= takes a TurboQuantConfig too; its layer policy shapes the cache generation uses."""
     model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))

@@ -195,7 +195,7 @@ def stream_generate(
 
     history = mx.array(ids)
 
-    def pick(logits: mx.array) -> mx.array:
+    def pick(history: mx.array, logits: mx.array) -> mx.array:
         for p in processors:
             logits = p(history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -204,7 +204,7 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     logits = prefill(model, cache, history[None], prefill_step_size, progress)
-    y = pick(logits)
+    y = pick(history, logits)
     mx.eval(y)
     prompt_time = time.perf_counter() - tic
     prompt_tps = len(ids) / prompt_time
@@ -214,6 +214,13 @@ def stream_generate(
     hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
     n = 0
     while True:
+        # Pipelined like mlx-lm's generate_step: the next step is queued on the GPU before
+        # this token is read, so the host builds step n + 1 while the GPU runs step n.
+        ahead = None
+        if n + 1 < max_tokens:
+            after = mx.concatenate([history, y.reshape(1)])
+            ahead = pick(after, model(y.reshape(1, 1), cache=cache)[:, -1, :])
+            mx.async_eval(ahead)
         token = y.item()
         n += 1
         finish = None
@@ -229,10 +236,8 @@ def stream_generate(
         hits = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
         if hits:
             text, finish = text[: min(hits)], "stop"
-        if finish is None:
-            history = mx.concatenate([history, y.reshape(1)])
-            y = pick(model(y.reshape(1, 1), cache=cache)[:, -1, :])
-            mx.async_eval(y)  # compute the next token while this one is handed out
+        if finish is not None and ahead is not None:
+            cache.trim(1)  # the step computed ahead: the cache holds only the tokens fed back
         safe = len(text) if finish is not None else max(emitted, len(text) - hold)
         segment, emitted = text[emitted:safe], max(emitted, safe)
         gen_time = time.perf_counter() - tic
@@ -251,6 +256,7 @@ def stream_generate(
         )
         if finish is not None:
             return
+        history, y = after, ahead
 
 
 def generate(
