@@ -175,3 +175,16 @@ def test_biased_keys_break_plain_4bit_not_the_shipped_tq4():
     assert agree < 0.8 and kl > 0.02, (agree, kl)  # broken
     agree, kl = agreement_and_kl("tq4")
     assert agree >= 0.98 and kl < 0.002, (agree, kl)
+
+
+def test_cache_stores_the_models_dtype():
+    """A bfloat16 model's cache keeps FP16 layers and staging in bfloat16, so attention never
+    casts the history; a float32 model keeps float16."""
+    ours, _ = model_pair("llama")
+    assert ts.make_cache(ours, "fp16").dtype == mx.float16
+    ours.set_dtype(mx.bfloat16)
+    nn.quantize(ours, group_size=32, bits=4)
+    cache = ts.make_cache(ours, "fp16")
+    assert cache.dtype == mx.bfloat16
+    ours(tokens(5), cache=cache)
+    assert cache.layer_arrays(0)["keys"].dtype == mx.bfloat16

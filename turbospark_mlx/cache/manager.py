@@ -413,12 +413,16 @@ class KVCacheManager:
             return end
         return max(self.config.sink_rows, end - self.config.window_rows)
 
+    def recent_capacity(self, layer: int) -> int:
+        """Slots of a protected layer's FP16 ring (position p sits in slot p % capacity); 0
+        for other layers."""
+        return self._layer(layer).recent_capacity
+
     def recent_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each slot of a protected layer's recent ring once `end` positions
         are written (-1: not written)."""
-        l = self._layer(layer)
-        cap = l.recent_capacity
-        s = mx.arange(l.arrays["k_recent"].shape[2])
+        cap = self.recent_capacity(layer)
+        s = mx.arange(self._layer(layer).arrays["k_recent"].shape[2])
         return mx.where(s < end, s + cap * ((end - 1 - s) // cap), -1)
 
     def _put(self, l: _Layer, name: str, position: int, rows: mx.array) -> None:
@@ -546,9 +550,22 @@ class KVCacheManager:
 def make_cache(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs) -> KVCacheManager:
     """A KVCacheManager laid out for `model` (anything with `kv_layer_specs()`).
 
-    kwargs go to KVCacheManager (batch_size, max_rows, max_context, dtype, step).
+    kwargs go to KVCacheManager (batch_size, max_rows, max_context, dtype, step). The
+    storage dtype defaults to the model's (bfloat16 or float16), so attention over FP16
+    layers never casts the history.
     """
+    kwargs.setdefault("dtype", model_dtype(model))
     return KVCacheManager(model.kv_layer_specs(), kv, **kwargs)
+
+
+def model_dtype(model) -> mx.Dtype:
+    """bfloat16 if the model's floating parameters (quantization scales included) are
+    bfloat16, else float16: the dtype its K/V rows come in."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters()) if hasattr(model, "parameters") else []
+    floats = [a.dtype for _, a in params if mx.issubdtype(a.dtype, mx.floating)]
+    return mx.bfloat16 if floats and floats[0] == mx.bfloat16 else mx.float16
 
 
 def kv_write_target(cache: KVCacheManager, side: str, layer: int, position: int) -> KVTarget:
