@@ -199,3 +199,21 @@ def test_tq4_bytes_at_32k_with_window_and_sinks():
     ratio = cache.nbytes / fp16
     print(f"tq4 at 32k: {ratio:.3f}x FP16")
     assert 0.26 < ratio <= 0.30
+
+
+def test_uncommitted_write_takes_ring_slots_from_trim():
+    """A protected layer's writes go straight into its ring: a write that is never committed
+    takes m of the max_rows slots beyond the window, so a trim may then give back only
+    max_rows - m positions, and what it keeps reads as before."""
+    from turbospark_mlx import kv_write_target
+
+    L = 120
+    k, v, q = data(L, bias=2.0)
+    _, cache = run(protected(), k, v, q, [64, 56])
+    _, shorter = run(protected(), k, v, q, [64, 26])
+    kv_write_target(cache, "k", 0, L).write(mx.random.normal((B, HKV, 10, D)).astype(mx.float16))
+    with pytest.raises(ValueError, match="10 ring slots hold an uncommitted write"):
+        cache.trim(60)
+    cache.trim(30)  # 30 <= 64 - 10
+    qq = q[:, :, 89:90]
+    assert mx.array_equal(attention_any(cache, 0, qq, 89), attention_any(shorter, 0, qq, 89)).item()

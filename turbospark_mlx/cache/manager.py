@@ -3,7 +3,9 @@
 Write path:
   1. `kv_write_target(kv, side, layer, position)` is where a block puts its
      finished K or V rows (after k-norm / RoPE): the cache slot on an FP16
-     layer, an FP16 staging row (`KVStage`) on a TurboQuant layer. A
+     layer, the FP16 ring of a protected TurboQuant layer (its slots beyond the
+     window hold only rows that have codes), an FP16 staging row (`KVStage`) on
+     a plain TurboQuant layer. A
      compressed row is never a write target. A sliding-window ring stages
      too: writing its slot would drop the oldest row it keeps before the
      write is committed, so a side-done write could not be taken back.
@@ -264,10 +266,13 @@ class KVCacheManager:
                         f"cannot trim {n} positions: sliding layer {i} keeps only "
                         f"{l.ring_capacity - l.spec.window + 1} positions beyond its window"
                     )
-            if l.recent_capacity and n > l.recent_capacity - self.config.window_rows:
+            # A write not yet committed took ring slots of the oldest rows beyond the window.
+            written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
+            if l.recent_capacity and n > l.recent_capacity - self.config.window_rows - written:
                 raise ValueError(
-                    f"cannot trim {n} positions: layer {i} keeps only {self.max_rows} FP16 rows "
+                    f"cannot trim {n} positions: layer {i} keeps only {self.max_rows - written} FP16 rows "
                     "beyond its window to quantize again"
+                    + (f" ({written} ring slots hold an uncommitted write)" if written else "")
                 )
         for l in self._layers.values():
             l.offset -= n
@@ -358,7 +363,9 @@ class KVCacheManager:
     def _write(self, target: KVTarget, rows: mx.array) -> None:
         l = self._check_rows(target.layer, target.position, rows)
         M = rows.shape[2]
-        if target.staged:
+        if l.recent_capacity:
+            window.write(self, l, target.side, target.position, rows.astype(self.dtype))
+        elif target.staged:
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
             buf[target.side][:, :, :M, :] = rows.astype(self.dtype)
         else:
@@ -431,7 +438,7 @@ class KVCacheManager:
         arr = l.arrays[name]
         start = position if l.ring_capacity is None else position % l.ring_capacity
         first = min(M, l.capacity - start)
-        arr[:, :, start : start + first] = rows[:, :, :first]
+        arr[:, :, start : start + first] = rows if first == M else rows[:, :, :first]
         if first < M:  # wrapped around the ring
             arr[:, :, : M - first] = rows[:, :, first:]
 

@@ -44,40 +44,55 @@ def check_fixed(layer: int, name: str, a: mx.array, want: tuple, dtype: mx.Dtype
         raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
 
 
+def write(cache, l, side: str, position: int, rows: mx.array) -> None:
+    """M rows of one side straight into the FP16 ring (and the sink rows), which is the
+    layer's staging: the ring keeps max_rows slots beyond its window, so the slots an
+    M <= max_rows write takes hold rows that already have codes and that neither this
+    commit's quantize nor a trim of the committed positions reads."""
+    R, S = l.recent_capacity, cache.config.sink_rows
+    m, end = rows.shape[2], position + rows.shape[2]
+    name = f"{side}_recent"
+    ring = l.arrays[name]
+    if ring.shape[2] < min(end, R):  # grow in whole steps; slot p % R is slot p until full
+        rows_needed = min(R, -(-end // cache.step) * cache.step)
+        grown = mx.zeros((*ring.shape[:2], rows_needed - ring.shape[2], ring.shape[3]), dtype=ring.dtype)
+        ring = l.arrays[name] = mx.concatenate([ring, grown], axis=2)
+    if position < S:
+        n = min(S, end) - position
+        l.arrays[f"{side}_sinks"][:, :, position : position + n] = rows[:, :, :n]
+    start = position % R
+    first = min(m, R - start)
+    ring[:, :, start : start + first] = rows if first == m else rows[:, :, :first]
+    if first < m:
+        ring[:, :, : m - first] = rows[:, :, first:]
+
+
 def commit(cache, l, position: int, m: int) -> None:
-    """Commit M staged rows at `position` on protected layer `l`: the rows go to the FP16 ring
-    (and the sink rows), and the rows that leave the window by this commit are quantized from
-    the ring into their code slots (slot p - sink_rows)."""
+    """Commit M rows written at `position` on protected layer `l` (already in the ring): the
+    rows that leave the window by this commit are quantized from the ring into their code
+    slots (slot p - sink_rows)."""
     S, W, R = cache.config.sink_rows, cache.config.window_rows, l.recent_capacity
     end = position + m
-    buf = cache.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
-    for side in SIDES:
-        rows = buf[side][:, :, :m]
-        ring = l.arrays[f"{side}_recent"]
-        if ring.shape[2] < min(end, R):  # grow in whole steps; slot p % R is slot p until full
-            rows_needed = min(R, -(-end // cache.step) * cache.step)
-            grown = mx.zeros((*ring.shape[:2], rows_needed - ring.shape[2], ring.shape[3]), dtype=ring.dtype)
-            ring = l.arrays[f"{side}_recent"] = mx.concatenate([ring, grown], axis=2)
-        if position < S:
-            n = min(S, end) - position
-            l.arrays[f"{side}_sinks"][:, :, position : position + n] = rows[:, :, :n]
-        start = position % R
-        first = min(m, R - start)
-        ring[:, :, start : start + first] = rows[:, :, :first]
-        if first < m:
-            ring[:, :, : m - first] = rows[:, :, first:]
     q0, q1 = max(S, position - W), max(S, end - W)
     if q1 <= q0:
         return
     cache._reserve(l, q1 - S)  # codes only for the rows that left the window
     if cache.config.center_keys and q0 == S:  # the first quantized rows: estimate the mean
-        at = mx.array([p % R for p in range(S, S + W)])
-        l.arrays["k_mean"] = mx.take(l.arrays["k_recent"], at, axis=2).astype(mx.float32).mean(axis=2)
-    at = mx.array([p % R for p in range(q0, q1)])
+        l.arrays["k_mean"] = ring_rows(l.arrays["k_recent"], S, S + W, R).astype(mx.float32).mean(axis=2)
+    k_mean = l.arrays["k_mean"] if cache.config.center_keys else None
     for side in SIDES:
-        rows = mx.take(l.arrays[f"{side}_recent"], at, axis=2)
-        if side == "k" and cache.config.center_keys:
-            rows = rows.astype(mx.float32) - l.arrays["k_mean"][:, :, None, :]
+        rows = ring_rows(l.arrays[f"{side}_recent"], q0, q1, R)
+        if side == "k" and k_mean is not None:
+            rows = rows.astype(mx.float32) - k_mean[:, :, None, :]
         codes, norms = tq_quantize(rows, l.quant.side(side))
         cache._put(l, f"{side}_codes", q0 - S, codes)  # slot p - S: the sink rows have no codes
         cache._put(l, f"{side}_norms", q0 - S, norms)
+
+
+def ring_rows(ring: mx.array, p0: int, p1: int, capacity: int) -> mx.array:
+    """Positions [p0, p1) of a ring whose position p sits in slot p % capacity: a slice
+    unless the range wraps (then a gather)."""
+    s0 = p0 % capacity
+    if s0 + p1 - p0 <= capacity:
+        return ring[:, :, s0 : s0 + p1 - p0]
+    return mx.take(ring, mx.arange(p0, p1) % capacity, axis=2)
