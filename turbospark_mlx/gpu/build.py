@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -29,6 +30,10 @@ import mlx.core as mx
 from .sources import kernel_source, kernels_dir
 
 GPU_BACKENDS = ("metal", "cuda")
+
+# Custom-kernel calls by op since import (graph nodes built, not GPU executions): what
+# benchmarks/generate_e2e.py reports as launches per decode step. Reset it freely.
+LAUNCHES: Counter = Counter()
 
 # Dialect tokens -> backend text (1-D threadgroups; SIMD width 32 on both).
 DIALECT: dict[str, dict[str, str]] = {
@@ -175,6 +180,7 @@ def metal_kernel(op: str):
 def launch(op: str, backend: str, template, shared_memory: int = 0, **call) -> list[mx.array]:
     """Call kernel `op` on `backend` with these template values; `call` is the rest of
     MLX's kernel call (inputs, grid, threadgroup, output_shapes, output_dtypes, ...)."""
+    LAUNCHES[op] += 1
     if backend == "cuda":
         return cuda_kernel(op, tuple(template), shared_memory)(**call)
     check_op(backend, op)

@@ -19,7 +19,7 @@ import numpy as np
 from ..quant.tables import LayerQuant, SideQuant
 from . import backend as _backend
 from .args import TABLES, resident, rotation_arg, sinks_arg, split_rows, step_args
-from .build import cuda_kernel
+from .build import LAUNCHES, cuda_kernel
 
 # tq_decode_mma's scratch: per (b, KV head) a ticket word, zero between launches (each
 # launch's last blocks leave theirs at zero), then the blocks' partials. One scratch per
@@ -394,6 +394,7 @@ class MmaLaunch:
             shape = self.shape(tiles, tiles_per_warp)
         grid, part_words = shape
         chain = _mma_chain(self.dtype, part_words)
+        LAUNCHES["tq_decode_mma"] += 1
         out = (self._kernel or self.kernel)(
             inputs=[
                 queries,
