@@ -1,7 +1,8 @@
+# turbospark_mlx before mlx.core: the tests then run MLX's CPU matmuls on MKL (cpu_blas.py).
+from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset  # isort: skip
+
 import mlx.core as mx
 import pytest
-
-from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,12 @@
 """turbospark-mlx: MLX model execution with a TurboQuant-compressed KV cache."""
 
-from .attention import attention_any
-from .cache import (
+# Before anything calls a matmul: MLX's CPU backend then runs on MKL (cpu_blas.py says why).
+from .cpu_blas import cpu_blas, load_fast_blas
+
+load_fast_blas()
+
+from .attention import attention_any  # noqa: E402
+from .cache import (  # noqa: E402
     KVCacheManager,
     KVStage,
     KVTarget,
@@ -11,9 +16,9 @@ from .cache import (
     make_cache,
     store_kv,
 )
-from .generate import GenerationResponse, generate, stream_generate
-from .loading import load
-from .quant import PRESETS, LayerQuant, SideQuant, TurboQuantConfig, get_preset
+from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
+from .loading import load  # noqa: E402
+from .quant import PRESETS, LayerQuant, SideQuant, TurboQuantConfig, get_preset  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -28,6 +33,7 @@ __all__ = [
     "TurboQuantConfig",
     "attention_any",
     "commit_kv",
+    "cpu_blas",
     "GenerationResponse",
     "generate",
     "load",

@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .gguf import GGUF_ARCHITECTURES, load_gguf, load_gguf_model, read_gguf
 from .hf import load_hf_dir, snapshot
@@ -23,6 +24,7 @@ def load(
     revision: str | None = None,
     dtype: mx.Dtype | None = None,
     lazy: bool = False,
+    dequantize: bool | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load (model, tokenizer) from a GGUF file, a local HF directory or an HF repo id.
 
@@ -34,6 +36,10 @@ def load(
             CPU float16/bfloat16 matmuls measured ~50x slower here); on a GPU, as stored for
             HF checkpoints and float16 for GGUF.
         lazy: leave weights unevaluated until first use.
+        dequantize: unpack quantized weights (GGUF Q4/Q8, mlx-community checkpoints) into
+            dense float weights. Default: on the CPU, when they take at most a quarter of
+            the machine's memory as float32: MLX's CPU quantized matmul has no BLAS path
+            (benchmarks/results/cpu_speed.md).
     Returns:
         (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`.
     Raises:
@@ -44,14 +50,43 @@ def load(
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return load_gguf(path, dtype=dtype, lazy=lazy)
-    if path.is_dir():
-        return load_hf_dir(path, dtype=dtype, lazy=lazy)
-    if _looks_like_repo_id(str(path_or_repo)):
-        return load_hf_dir(snapshot(str(path_or_repo), revision), dtype=dtype, lazy=lazy)
-    raise FileNotFoundError(
-        f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
-    )
+        model, tokenizer = load_gguf(path, dtype=dtype, lazy=True)
+    elif path.is_dir():
+        model, tokenizer = load_hf_dir(path, dtype=dtype, lazy=True)
+    elif _looks_like_repo_id(str(path_or_repo)):
+        model, tokenizer = load_hf_dir(snapshot(str(path_or_repo), revision), dtype=dtype, lazy=True)
+    else:
+        raise FileNotFoundError(
+            f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
+        )
+    if dequantize is None:
+        dequantize = mx.default_device() == mx.cpu and 4 * _dense_parameters(model) <= _memory_bytes() // 4
+    if dequantize:
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def _dense_parameters(model: nn.Module) -> int:
+    """Parameters of the model once quantized weights are unpacked."""
+    total = 0
+    for name, module in model.named_modules():
+        if hasattr(module, "scales") and hasattr(module, "bits"):
+            total += module.weight.size * 32 // module.bits
+    for name, p in tree_flatten(model.parameters()):
+        if not name.endswith((".scales", ".biases")) and mx.issubdtype(p.dtype, mx.floating):
+            total += p.size
+    return total
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _looks_like_repo_id(s: str) -> bool:
