@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+import turbospark_mlx as ts  # isort: skip  (before mlx.core: MKL under MLX's CPU matmuls)
 
-import turbospark_mlx as ts
+import mlx.core as mx
 from turbospark_mlx.cli import default_model_path
 from turbospark_mlx.evaluate import evaluate, markdown_table
 from turbospark_mlx.loading import load
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-PRESETS = ["k8v4", "tq4", "tq3"]
+PRESETS = ["k8v4", "tq4", "tq3", "tq2"]
 OUT = Path(__file__).resolve().parent / "results" / "quality.json"
 
 

@@ -313,3 +313,19 @@ def test_interrupted_save_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     assert open(path, "rb").read() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.safetensors"]
     KVCacheManager.from_file(path)  # still loads
+
+
+def test_a_preset_measured_to_lose_quality_warns():
+    """tq2 (measured in benchmarks/results/quality.md) warns when a cache is built with it, the
+    mlx-lm drop-in included; other presets and a changed tq2 do not."""
+    import warnings
+
+    from turbospark_mlx.quant.config import QUALITY_WARNINGS
+
+    assert set(QUALITY_WARNINGS) <= set(PRESETS)
+    with pytest.warns(UserWarning, match="KV preset 'tq2': .*quality.md"):
+        KVCacheManager([LayerSpec(2, 64)], "tq2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVCacheManager([LayerSpec(2, 64)], "k8v4")
+        KVCacheManager([LayerSpec(2, 64)], PRESETS["tq2"].with_(window_rows=256))

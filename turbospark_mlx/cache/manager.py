@@ -30,7 +30,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..gpu.quantize import tq_quantize
-from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
+from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset, warn_quality
 from ..quant.tables import SIDES, LayerQuant, side_quant
 from . import io, window
 from .spec import LayerSpec
@@ -121,6 +121,7 @@ class KVCacheManager:
         step: int = 256,
     ):
         self.config = get_preset(kv)
+        warn_quality(self.config)
         self.specs = tuple(layers)
         if not self.specs:
             raise ValueError("a KV cache needs at least one layer")

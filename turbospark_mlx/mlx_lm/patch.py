@@ -22,7 +22,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
+from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset, warn_quality
 from .cache import TurboSparkBatchKVCache, TurboSparkKVCache, _TurboSparkCacheBase
 
 _CACHE_CLASSES = (TurboSparkKVCache, TurboSparkBatchKVCache)
@@ -178,6 +178,7 @@ def make_prompt_cache(
     from mlx_lm.models.cache import KVCache
 
     config = get_preset(kv)
+    warn_quality(config)
     base = _base_caches(model)
     n = len(base)
     if n != len(model.layers):

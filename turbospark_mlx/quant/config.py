@@ -14,6 +14,7 @@ vector is <7% of a 4-bit row at d = 128.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 
 from .packing import packed_words
@@ -162,7 +163,7 @@ class TurboQuantConfig:
 
 
 # What every compressed preset keeps exact: the newest 128 positions and the first 4 in FP16,
-# and keys centred per KV head. Without them tq4 costs +14% perplexity on SmolLM2-135M and
+# and keys centred per KV head. Without them tq4 costs +8% perplexity on SmolLM2-135M and
 # breaks biased-key models; with them it is within a fraction of a percent
 # (benchmarks/results/quality.md). Turn a part off with `.with_(window_rows=0)`, all of it with `.plain()`.
 PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True)
@@ -185,6 +186,22 @@ PRESETS: dict[str, TurboQuantConfig] = {
 # +0.5% perplexity of FP16, and the closest in KL, on every model of
 # benchmarks/results/quality.md (99% top-1 agreement on SmolLM2-135M).
 DEFAULT_PRESET = "k8v4"
+
+
+# Shipped presets measured to lose quality a user should hear about when a cache uses them
+# (benchmarks/results/quality.md): preset name -> what was measured.
+QUALITY_WARNINGS = {
+    "tq2": "+3.2% and +3.8% perplexity, 91% and 94% top-1 agreement with the FP16 cache on "
+    "SmolLM2-135M (1k tokens) and Gemma-3-270M (512), more as the context grows past the FP16 "
+    "window (benchmarks/results/quality.md); k8v4 and tq4 stay within 0.4%",
+}
+
+
+def warn_quality(config: TurboQuantConfig, stacklevel: int = 3) -> None:
+    """A UserWarning when `config` is a shipped preset measured to lose quality."""
+    note = QUALITY_WARNINGS.get(config.name)
+    if note is not None and config == PRESETS[config.name]:
+        warnings.warn(f"KV preset {config.name!r}: {note}", UserWarning, stacklevel=stacklevel)
 
 
 def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
