@@ -1,5 +1,12 @@
-# turbospark_mlx before mlx.core: the tests then run MLX's CPU matmuls on MKL (cpu_blas.py).
-from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset  # isort: skip
+import os
+
+# The suite checks exact equalities (a chunked prefill equals one-token steps bit for bit) that
+# hold on MLX's own BLAS, which rounds a row's dot products the same whatever the row count;
+# MKL's GEMM and GEMV kernels differ in the last bits. tests/test_cpu_blas.py runs MKL in its
+# own processes.
+os.environ.setdefault("TURBOSPARK_CPU_BLAS", "reference")
+
+from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset  # noqa: E402  isort: skip
 
 import mlx.core as mx
 import pytest
