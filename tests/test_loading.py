@@ -303,7 +303,7 @@ def test_corrupted_gguf(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", random_model(), CONFIG, "llama")
     data = path.read_bytes()
     (tmp_path / "trunc.gguf").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="truncated or corrupted"):
+    with pytest.raises(ValueError, match="truncated or damaged"):
         ts.load(tmp_path / "trunc.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(ValueError, match="not a GGUF file"):

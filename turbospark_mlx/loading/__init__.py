@@ -50,11 +50,12 @@ def load(
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        model, tokenizer = load_gguf(path, dtype=dtype, lazy=True)
+        model, tokenizer = _named(path, load_gguf, path, dtype=dtype, lazy=True)
     elif path.is_dir():
-        model, tokenizer = load_hf_dir(path, dtype=dtype, lazy=True)
+        model, tokenizer = _named(path, load_hf_dir, path, dtype=dtype, lazy=True)
     elif _looks_like_repo_id(str(path_or_repo)):
-        model, tokenizer = load_hf_dir(snapshot(str(path_or_repo), revision), dtype=dtype, lazy=True)
+        snap = snapshot(str(path_or_repo), revision)
+        model, tokenizer = _named(snap, load_hf_dir, snap, dtype=dtype, lazy=True)
     else:
         raise FileNotFoundError(
             f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
@@ -68,6 +69,16 @@ def load(
     if not lazy:
         mx.eval(model.parameters())
     return model, tokenizer
+
+
+def _named(path: Path, loader, *args, **kwargs):
+    """`loader(*args, **kwargs)`, its ValueErrors naming `path` (mlx-lm's and MLX's do not)."""
+    try:
+        return loader(*args, **kwargs)
+    except ValueError as e:
+        if path.name in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _dense_parameters(model: nn.Module) -> int:

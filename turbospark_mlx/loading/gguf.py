@@ -122,9 +122,13 @@ def load_gguf_model(path: Path, *, dtype: mx.Dtype | None = None, lazy: bool = F
             f"{path.name}: GGUF architecture {arch_name!r} is not supported; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    config = gguf_config(meta, arch_name, arch, tensors)
-    Model, ModelArgs = get_model_classes(config["model_type"])
-    model = Model(ModelArgs.from_dict(config))
+    try:
+        config = gguf_config(meta, arch_name, arch, tensors)
+        Model, ModelArgs = get_model_classes(config["model_type"])
+        model = Model(ModelArgs.from_dict(config))
+        weights = gguf_to_hf_weights(tensors, arch, config)
+    except KeyError as e:  # a metadata key or tensor the architecture needs
+        raise ValueError(f"{path.name}: the GGUF lacks {e} that a {arch_name} model needs (damaged file?)") from None
 
     if "rope_freqs.weight" in tensors:
         if not all(hasattr(getattr(l, "self_attn", None), "rope") for l in model.layers):
@@ -135,7 +139,6 @@ def load_gguf_model(path: Path, *, dtype: mx.Dtype | None = None, lazy: bool = F
             l.self_attn.rope = FactorRoPE(
                 config["head_dim"], config["rope_theta"], tensors["rope_freqs.weight"]
             )
-    weights = gguf_to_hf_weights(tensors, arch, config)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if dtype is None:
@@ -167,11 +170,33 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    check_gguf_layout(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:
         mlx_error = e  # types mx.load does not read (K-quants, Q5_*, ...) or a damaged file
     return _read_gguf_with_gguf_package(path, mlx_error)
+
+
+def check_gguf_layout(path: Path) -> None:
+    """The header, metadata and tensor table of a GGUF file, parsed by the gguf package and
+    checked against the file's size before anything maps it: mx.load trusts the counts and
+    offsets, and a damaged count crashed the process (SIGSEGV) instead of raising."""
+    import gguf
+
+    size = Path(path).stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+        tensors = list(reader.tensors)
+    except Exception as e:  # the reader raises whatever numpy / struct raise past the end
+        raise ValueError(f"cannot read GGUF file {path}: its header or tensor table is truncated or damaged ({e})") from None
+    for t in tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if int(t.n_elements) < 1 or any(int(n) < 1 for n in t.shape) or end > size:
+            raise ValueError(
+                f"cannot read GGUF file {path}: tensor {t.name!r} (shape {[int(n) for n in t.shape]}, "
+                f"bytes {int(t.data_offset)}..{end}) lies outside the file of {size} bytes: truncated or damaged"
+            )
 
 
 def _read_gguf_with_gguf_package(
@@ -200,7 +225,7 @@ def _read_gguf_with_gguf_package(
             tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
     except Exception as e:
         raise ValueError(
-            f"cannot read GGUF file {path}: it is truncated or corrupted (mx.load: {mlx_error}; gguf: {e})"
+            f"cannot read GGUF file {path}: it is truncated or damaged (mx.load: {mlx_error}; gguf: {e})"
         ) from None
     return tensors, meta
 

@@ -60,6 +60,50 @@ def _check_weight_files(path: Path) -> None:
             )
     elif not list(path.glob("model*.safetensors")):
         raise FileNotFoundError(f"{path} has no model*.safetensors weight files")
+    for shard in sorted(path.glob("*.safetensors")):
+        check_safetensors(shard)
+
+
+# safetensors dtype names -> bytes per element
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file's header (8-byte length, JSON table) checked against its size before
+    MLX reads it: a damaged or truncated file is a ValueError naming it, not an MLX error."""
+    size = path.stat().st_size
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"cannot read safetensors file {path}: {what}; the file is truncated or damaged")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"the header claims {n} bytes, the file has {size - 8} after its length")
+        try:
+            table = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad(f"the header is not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise bad("the header is not a JSON object")
+    data = size - 8 - n
+    for name, t in table.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in t["data_offsets"])
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            width = _ST_BYTES[t["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has a malformed entry {t!r}") from None
+        if not 0 <= start <= end <= data or end - start != count * width:
+            raise bad(f"tensor {name!r} ({t['dtype']} {t['shape']}, bytes {start}..{end}) does not fit the data")
 
 
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
