@@ -421,3 +421,44 @@ def test_set_layer_arrays_checks_before_changing():
     assert all(mx.array_equal(kv.layer_arrays(0)[n], a).item() for n, a in before.items())
     kv.set_layer_arrays(0, before, 3)
     assert kv.layer_offset(0) == 3
+
+
+def test_prompt_cache_file_digest_and_fresh_process(tmp_path):
+    """save_prompt_cache writes mlx-lm's format plus a digest, atomically; load_prompt_cache
+    refuses any changed byte or a truncation by name; stock mlx_lm.load_prompt_cache reads the
+    file in a fresh process once the classes are registered."""
+    import subprocess
+    import sys
+
+    from turbospark_mlx.mlx_lm import TurboSparkKVCache, load_prompt_cache, save_prompt_cache
+
+    cache = TurboSparkKVCache("tq4", max_rows=64)
+    q, k, v = (mx.random.normal((1, n, 150, 64)) for n in (4, 2, 2))
+    cache.attend(q[:, :, :64], k[:, :, :64], v[:, :, :64], scale=0.125)
+    cache.attend(q[:, :, 64:], k[:, :, 64:], v[:, :, 64:], scale=0.125)
+    path = tmp_path / "p.safetensors"
+    save_prompt_cache(str(path), [cache], {"note": "x"})
+    (loaded,), meta = load_prompt_cache(str(path), return_metadata=True)
+    assert loaded.offset == 150 and meta == {"note": "x"}
+    qq = mx.random.normal((1, 4, 1, 64))
+    kk, vv = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
+    assert mx.array_equal(loaded.attend(qq, kk, vv, scale=0.125), cache.attend(qq, kk, vv, scale=0.125)).item()
+
+    data = path.read_bytes()
+    for i, at in enumerate((len(data) // 2, len(data) - 3, 200)):
+        bad = tmp_path / f"bad{i}.safetensors"
+        bad.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+        with pytest.raises(ValueError, match=bad.name):
+            load_prompt_cache(str(bad))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match="cut.safetensors"):
+        load_prompt_cache(str(cut))
+
+    probe = (
+        "import sys; from mlx_lm.models.cache import load_prompt_cache\n"
+        "import turbospark_mlx.mlx_lm as t; t.register_cache_classes()\n"
+        "print(load_prompt_cache(sys.argv[1])[0].offset)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "150", out.stderr[-2000:]

@@ -9,7 +9,14 @@ points; docs/mlx_lm.md describes the adapter.
 """
 
 from .cache import TurboSparkBatchKVCache, TurboSparkKVCache
-from .patch import load_prompt_cache, make_prompt_cache, patch_model, register_cache_classes, unpatch_model
+from .patch import (
+    load_prompt_cache,
+    make_prompt_cache,
+    patch_model,
+    register_cache_classes,
+    save_prompt_cache,
+    unpatch_model,
+)
 
 __all__ = [
     "TurboSparkBatchKVCache",
@@ -18,5 +25,6 @@ __all__ = [
     "make_prompt_cache",
     "patch_model",
     "register_cache_classes",
+    "save_prompt_cache",
     "unpatch_model",
 ]

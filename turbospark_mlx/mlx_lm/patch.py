@@ -41,12 +41,60 @@ def register_cache_classes() -> None:
         setattr(cache, cls.__name__, cls)
 
 
+# Where `save_prompt_cache` puts its SHA-256 digest: a key of the user-metadata dict in
+# mlx-lm's flattened file metadata ([metadata, classes, scalars]).
+DIGEST_KEY = "0.turbospark_digest"
+
+
+def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """`mlx_lm.save_prompt_cache`'s file, with a SHA-256 digest of its tensors and metadata,
+    written atomically (temporary file, fsync, rename): `load_prompt_cache` refuses a file
+    whose bytes changed, and an interrupted save leaves the previous file in place."""
+    import os
+    import tempfile
+
+    from mlx_lm.models.cache import save_prompt_cache as _save
+
+    from ..cache.io import atomic_save_safetensors, digest
+
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=os.path.dirname(os.path.abspath(file_name)))
+    os.close(fd)
+    try:
+        _save(tmp, cache, metadata)  # mlx-lm's own layout, then re-read to hash exactly what it wrote
+        tensors, meta = mx.load(tmp, return_metadata=True)
+    finally:
+        os.unlink(tmp)
+    meta[DIGEST_KEY] = digest(tensors, meta)
+    atomic_save_safetensors(file_name, tensors, meta)
+
+
 def load_prompt_cache(file_name: str, return_metadata: bool = False):
-    """`mlx_lm.load_prompt_cache` after `register_cache_classes()`."""
+    """`mlx_lm.load_prompt_cache` after `register_cache_classes()`, for files in mlx-lm's format.
+
+    The file's header is checked before MLX reads it, and a file written by
+    `save_prompt_cache` must match its digest: damage is a ValueError naming the file,
+    and nothing is loaded. (A file saved by stock `mlx_lm.save_prompt_cache` has no digest,
+    so only its header can be checked.)
+    """
+    from pathlib import Path
+
     from mlx_lm.models.cache import load_prompt_cache as _load
 
+    from ..cache.io import digest
+    from ..loading.hf import check_safetensors
+
     register_cache_classes()
-    return _load(file_name, return_metadata=return_metadata)
+    check_safetensors(Path(file_name))
+    try:
+        tensors, meta = mx.load(file_name, return_metadata=True)
+    except Exception as e:  # MLX's own error for what the header check cannot see
+        raise ValueError(f"cannot read prompt-cache file {file_name}: {e}") from None
+    want = meta.pop(DIGEST_KEY, None)
+    if want is not None and digest(tensors, meta) != want:
+        raise ValueError(f"prompt-cache file {file_name} does not match its digest: the file is damaged")
+    cache, metadata = _load(file_name, return_metadata=True)
+    metadata.pop(DIGEST_KEY.split(".", 1)[1], None)
+    return (cache, metadata) if return_metadata else cache
 
 
 # -- attention conversion ---------------------------------------------------
