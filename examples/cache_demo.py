@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import mlx.core as mx
+import turbospark_mlx as ts  # isort: skip  (before mlx.core: MKL under MLX's CPU matmuls on Linux)
 
-import turbospark_mlx as ts
+import mlx.core as mx
 from turbospark_mlx.quant.reference import fp16_attention_ref
 
 

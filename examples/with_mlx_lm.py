@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+import turbospark_mlx  # noqa: F401  isort: skip  (before mlx: MKL under MLX's CPU matmuls on Linux)
+
 import mlx_lm
 from mlx_lm.models.cache import save_prompt_cache
 
