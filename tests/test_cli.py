@@ -41,6 +41,7 @@ def test_prefill_progress_bar_on_long_prompts(tmp_path, capsys, monkeypatch):
     rc = cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 0 and "prefill [" in err and "300/300 tokens" in err
+    assert "64/300 tokens" in err and "192/300 tokens" in err  # >= every 5%, chunks of >= 64 rows
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys):

@@ -100,6 +100,8 @@ def _generate(args: argparse.Namespace) -> int:
     _check_generate_args(args)
     prompt = _read_prompt(args.prompt)
     model_path = args.model or str(default_model_path())
+    if sys.stderr.isatty():
+        print(f"loading {model_path}", file=sys.stderr, flush=True)
     model, tokenizer = load(model_path)
     chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if args.system_prompt is not None and not chat:

@@ -19,6 +19,7 @@ from .cache import KVCacheManager, make_cache
 from .quant.config import DEFAULT_PRESET, TurboQuantConfig
 
 DEFAULT_KV = DEFAULT_PRESET
+PROGRESS_MIN_CHUNK = 64  # prefill rows per call when a progress callback asks for 5% steps
 
 
 @dataclass
@@ -104,10 +105,13 @@ def prefill(
 ) -> mx.array:
     """Run the prompt through the model in chunks; returns the logits of its last token, (B, vocab).
 
-    Each chunk of M <= prefill_step_size rows is written and committed at once.
+    Each chunk of M <= prefill_step_size rows is written and committed at once; with a
+    `progress` callback, chunks are at most 5% of the prompt (at least PROGRESS_MIN_CHUNK rows).
     """
     n = tokens.shape[1]
     step = min(prefill_step_size, cache.max_rows)
+    if progress is not None:  # report at least every 5% of the prompt (chunks of >= 64 rows)
+        step = min(step, max(PROGRESS_MIN_CHUNK, -(-n // 20)))
     logits = None
     for start in range(0, n, step):
         chunk = tokens[:, start : start + step]
