@@ -81,6 +81,22 @@ def _check_generate_args(args: argparse.Namespace) -> None:
             raise _ArgError(f"{flag} {what}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    """The `stream_generate` arguments `generate` and `chat` share, from their flags."""
+    return dict(
+        kv=args.kv,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p if args.top_p < 1 else 0.0,  # mlx-lm's sampler: 0 turns top-p off
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        prefill_step_size=args.prefill_step_size,
+    )
+
+
 def _read_prompt(prompt: str) -> str:
     """The prompt text; `-` reads stdin (UTF-8; one trailing newline dropped, as a shell adds it)."""
     if prompt != "-":
@@ -113,20 +129,11 @@ def _generate(args: argparse.Namespace) -> int:
             model,
             tokenizer,
             prompt,
-            kv=args.kv,
-            max_tokens=args.max_tokens,
-            temperature=args.temp,
-            top_p=args.top_p if args.top_p < 1 else 0.0,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            stop=args.stop,
             chat=chat,
             system=args.system_prompt,
-            prefill_step_size=args.prefill_step_size,
             max_context=args.max_context,
             progress=_Progress(),
+            **_sampling(args),
         ):
             print(last.text, end="", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and say so, without a traceback
@@ -185,12 +192,7 @@ def _chat(args: argparse.Namespace) -> int:
             cache, keep = fresh(), 0
         gen, reply, last = [], "", None
         try:
-            for last in stream_generate(
-                model, tokenizer, ids[keep:], cache=cache, max_tokens=args.max_tokens, temperature=args.temp,
-                top_p=args.top_p if args.top_p < 1 else 0.0, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                prefill_step_size=args.prefill_step_size,
-            ):  # fmt: skip
+            for last in stream_generate(model, tokenizer, ids[keep:], cache=cache, **_sampling(args)):
                 print(last.text, end="", flush=True)
                 reply += last.text
                 gen.append(last.token)

@@ -50,12 +50,11 @@ def load(
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        model, tokenizer = _named(path, load_gguf, path, dtype=dtype, lazy=True)
+        model, tokenizer = _named(load_gguf, path, dtype)
     elif path.is_dir():
-        model, tokenizer = _named(path, load_hf_dir, path, dtype=dtype, lazy=True)
+        model, tokenizer = _named(load_hf_dir, path, dtype)
     elif _looks_like_repo_id(str(path_or_repo)):
-        snap = snapshot(str(path_or_repo), revision)
-        model, tokenizer = _named(snap, load_hf_dir, snap, dtype=dtype, lazy=True)
+        model, tokenizer = _named(load_hf_dir, snapshot(str(path_or_repo), revision), dtype)
     else:
         raise FileNotFoundError(
             f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
@@ -71,10 +70,10 @@ def load(
     return model, tokenizer
 
 
-def _named(path: Path, loader, *args, **kwargs):
-    """`loader(*args, **kwargs)`, its ValueErrors naming `path` (mlx-lm's and MLX's do not)."""
+def _named(loader, path: Path, dtype: mx.Dtype | None):
+    """`loader(path)`, unevaluated, its ValueErrors naming `path` (mlx-lm's and MLX's do not)."""
     try:
-        return loader(*args, **kwargs)
+        return loader(path, dtype=dtype, lazy=True)
     except ValueError as e:
         if path.name in str(e):
             raise
