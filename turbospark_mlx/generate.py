@@ -79,15 +79,20 @@ def encode_prompt(
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if chat:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this tokenizer has no chat template; generate without chat")
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
-        # The template writes BOS and the turn markers itself.
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode_messages(tokenizer, messages)
     return tokenizer.encode(prompt)
+
+
+def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template; generate without chat")
+    # The template writes BOS and the turn markers itself.
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _eval_cache(cache: KVCacheManager) -> None:
@@ -124,6 +129,78 @@ def prefill(
         if progress is not None:
             progress(min(start + step, n), n)
     return logits
+
+
+def token_picker(
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = 20,
+) -> Callable[[mx.array, mx.array], mx.array]:
+    """pick(history, logits) -> the next token(s): mlx-lm's logits processors, then its sampler."""
+    # mlx_lm's package import pulls in transformers: only when generating.
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    processors = make_logits_processors(
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
+    )
+
+    def pick(history: mx.array, logits: mx.array) -> mx.array:
+        for p in processors:
+            logits = p(history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs)
+
+    return pick
+
+
+class TextStream:
+    """One sequence's tokens turned into text pieces, with its stop conditions.
+
+    `add(token)` returns (new text, finish reason): the text is held back while a
+    multi-byte character or a stop string may still be forming; the finish reason is
+    "stop" (a stop token or string; neither is in the text), "length" or None.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        max_tokens: int,
+        stop: str | Sequence[str] | None = None,
+        stop_tokens: Sequence[int] | None = None,
+    ):
+        self.max_tokens = max_tokens
+        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop_ids = (
+            set(stop_tokens) if stop_tokens is not None else set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        )
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.tokens = 0
+        self.emitted = 0  # characters of the text already returned
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def add(self, token: int) -> tuple[str, str | None]:
+        self.tokens += 1
+        finish = None
+        if token in self.stop_ids:
+            finish = "stop"
+        else:
+            self.detok.add_token(token)
+            if self.tokens >= self.max_tokens:
+                finish = "length"
+        if finish is not None:
+            self.detok.finalize()  # flush bytes held back for an incomplete character
+        text = self.detok.text
+        hits = [i for i in (text.find(s, max(0, self.emitted - self.hold)) for s in self.stops) if i >= 0]
+        if hits:
+            text, finish = text[: min(hits)], "stop"
+        safe = len(text) if finish is not None else max(self.emitted, len(text) - self.hold)
+        segment, self.emitted = text[self.emitted : safe], max(self.emitted, safe)
+        return segment, finish
 
 
 def stream_generate(
@@ -187,29 +264,11 @@ def stream_generate(
         )
     if cache is None:
         cache = make_cache(model, kv=kv, max_rows=prefill_step_size, max_context=context)
-    # mlx_lm's package import pulls in transformers: only when generating.
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-    processors = make_logits_processors(
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size
-    )
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    stop_ids = (
-        set(stop_tokens) if stop_tokens is not None else set(getattr(tokenizer, "eos_token_ids", ()) or ())
-    )
-    detok = tokenizer.detokenizer
-    detok.reset()
-
+    pick = token_picker(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
+    stream = TextStream(tokenizer, max_tokens, stop, stop_tokens)
     history = mx.array(ids)
-
-    def pick(history: mx.array, logits: mx.array) -> mx.array:
-        for p in processors:
-            logits = p(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs)
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -219,8 +278,6 @@ def stream_generate(
     prompt_time = time.perf_counter() - tic
     prompt_tps = len(ids) / prompt_time
 
-    text, emitted = "", 0  # text so far; characters of it already yielded
-    hold = max((len(s) for s in stops), default=1) - 1  # a stop string may still be forming
     n = 0
     while True:
         # Pipelined like mlx-lm's generate_step: the next step is queued on the GPU before
@@ -232,23 +289,9 @@ def stream_generate(
             mx.async_eval(ahead)
         token = y.item()
         n += 1
-        finish = None
-        if token in stop_ids:
-            finish = "stop"
-        else:
-            detok.add_token(token)
-            if n >= max_tokens:
-                finish = "length"
-        if finish is not None:
-            detok.finalize()  # flush bytes held back for an incomplete character
-        text = detok.text
-        hits = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
-        if hits:
-            text, finish = text[: min(hits)], "stop"
+        segment, finish = stream.add(token)
         if finish is not None and ahead is not None:
             cache.trim(1)  # the step computed ahead: the cache holds only the tokens fed back
-        safe = len(text) if finish is not None else max(emitted, len(text) - hold)
-        segment, emitted = text[emitted:safe], max(emitted, safe)
         if n == 1:
             tic = time.perf_counter()  # decode speed counts the tokens after the first
         gen_time = time.perf_counter() - tic

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from ..attention import attention_any
 from ..cache import KVCacheManager, commit_kv, kv_write_target
+from ..cache.batch import SequenceBatch
 
 
 @dataclass
@@ -37,7 +38,7 @@ def cached_attention(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
-    position: int,
+    position: int | mx.array,
     *,
     scale: float,
     sinks: mx.array | None = None,
@@ -47,11 +48,26 @@ def cached_attention(
     keys/values are finished (k-norm and RoPE applied): they go to the slot or
     the staging row, are committed (quantized on a TurboQuant layer), and the
     queries attend over the cache. Shapes (B, H, M, D); returns (B, Hq, M, D).
+    A `SequenceBatch` cache routes each sequence to its own cache and position.
     """
+    if isinstance(cache, SequenceBatch):
+        return cache.each(
+            lambda c, q, k, v: cached_attention(c, layer, q, k, v, c.layer_offset(layer), scale=scale, sinks=sinks),
+            queries, keys, values,
+        )
     kv_write_target(cache, "k", layer, position).write(keys)
     kv_write_target(cache, "v", layer, position).write(values)
     commit_kv(cache, layer, position, keys.shape[2])
     return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks)
+
+
+def written_attention(cache: KVCacheManager, layer: int, queries: mx.array, *, scale: float) -> mx.array:
+    """Attention of M query rows over a layer whose K/V for them are already written
+    (a layer reading another's KV, after the owner's write this forward pass)."""
+    if isinstance(cache, SequenceBatch):
+        return cache.each(lambda c, q: written_attention(c, layer, q, scale=scale), queries)
+    position = cache.layer_offset(layer) - queries.shape[2]
+    return attention_any(cache, layer, queries, position, scale=scale)
 
 
 def cache_for_call(model, cache: KVCacheManager | None, inputs: mx.array) -> KVCacheManager:

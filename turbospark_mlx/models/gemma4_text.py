@@ -25,9 +25,8 @@ from mlx_lm.models import gemma4_text as _mlx_gemma4
 from mlx_lm.models.gemma4_text import MLP, Experts, RMSNormNoScale, Router, logit_softcap
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..attention import attention_any
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention
+from .base import BaseModelArgs, cache_for_call, cached_attention, written_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -171,7 +170,7 @@ class Attention(nn.Module):
             # The owner layer already committed this block's KV.
             position = cache.layer_offset(self.layer_idx) - L
             q = self.rope(q, offset=position)
-            out = attention_any(cache, self.layer_idx, q, position, scale=self.scale)
+            out = written_attention(cache, self.layer_idx, q, scale=self.scale)
         else:
             position = cache.layer_offset(self.layer_idx)
             k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
