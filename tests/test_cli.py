@@ -143,7 +143,10 @@ def test_one_default_preset_everywhere():
     from turbospark_mlx.mlx_lm import TurboSparkKVCache, make_prompt_cache, patch_model
     from turbospark_mlx.quant.config import DEFAULT_PRESET
 
-    assert cli.build_parser().parse_args(["generate"]).kv == DEFAULT_PRESET
+    for command in ("generate", "chat", "server"):
+        args = cli.build_parser().parse_args([command])
+        cli._check_kv(args)  # unset --kv is resolved with the other flags, before the model loads
+        assert args.kv == DEFAULT_PRESET
     for fn in (KVCacheManager, make_cache, stream_generate, make_prompt_cache, patch_model, TurboSparkKVCache):
         assert inspect.signature(fn).parameters["kv"].default == DEFAULT_PRESET, fn
 
@@ -169,3 +172,84 @@ def test_chat_keeps_its_cache_across_turns():
     assert len(fed) == 3 and "[reset]" in out.stderr
     assert fed[1] < fed[2]  # the same question after /reset feeds the whole conversation again
     assert "Paris" in out.stdout and "Rome" in out.stdout.split("Paris", 1)[1]
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}w1 :"
+LONG = dict(CONFIG, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """A tiny model with a chat template and room for prompts past the FP16 window (128 rows)."""
+    import json
+
+    from test_loading import varied_model
+
+    path = write_hf_dir(tmp_path_factory.mktemp("chat") / "m", varied_model(LONG), LONG)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+def words(n, seed):
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(3, 64)}" for _ in range(n))
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_prompt_cache_file_continues_like_the_whole_prompt(chat_model_dir, tmp_path, capsys, raw):
+    doc, question = words(200, 0), " " + words(20, 1)
+    flags = ["--ignore-chat-template"] if raw else []
+    model = ["--model", str(chat_model_dir)]
+    cache_file = str(tmp_path / "doc.safetensors")
+    assert cli.main(["cache-prompt", *model, "--kv", "tq4", "-p", doc, "--prompt-cache-file", cache_file, *flags]) == 0
+    assert "tokens in" in capsys.readouterr().err
+    gen = ["-m", "12", "--verbose", "false", *flags]
+    assert cli.main(["generate", "--prompt-cache-file", cache_file, "-p", question, *gen]) == 0  # model from the file
+    cached = capsys.readouterr().out
+    assert cli.main(["generate", *model, "--kv", "tq4", "-p", doc + question, *gen]) == 0
+    whole = capsys.readouterr().out
+    assert cached.strip() and cached == whole
+
+
+def test_prompt_cache_file_refuses_mismatches_and_damage(chat_model_dir, tmp_path, capsys):
+    import turbospark_mlx as ts
+    from test_loading import varied_model
+
+    model = ["--model", str(chat_model_dir)]
+    good = str(tmp_path / "doc.safetensors")
+    assert cli.main(["cache-prompt", *model, "--kv", "tq4", "-p", words(40, 2), "--prompt-cache-file", good]) == 0
+    capsys.readouterr()
+    other_dir = write_hf_dir(tmp_path / "other", varied_model(dict(LONG, num_key_value_heads=4)), dict(LONG, num_key_value_heads=4))
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(open(good, "rb").read())
+    data[-5] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    plain_file = ts.make_cache(varied_model(LONG), kv="tq4").save(str(tmp_path / "plain"))
+    cases = [
+        (["--prompt-cache-file", good, "--kv", "k8v4"], "holds a 'tq4' cache"),
+        (["--prompt-cache-file", good, "--model", str(other_dir)], "was made with"),
+        (["--prompt-cache-file", good, "--system-prompt", "w3"], "give it to cache-prompt"),
+        (["--prompt-cache-file", good, "--ignore-chat-template"], "drop --ignore-chat-template"),
+        (["--prompt-cache-file", str(damaged)], "is corrupted"),
+        (["--prompt-cache-file", str(tmp_path / "missing.safetensors")], "no such file"),
+        (["--prompt-cache-file", plain_file], "not one `turbospark-mlx cache-prompt` wrote"),
+    ]
+    for flags, message in cases:
+        assert cli.main(["generate", "-p", "w3", "-m", "2", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)
+    # Model files changed under the file's path since: the layout check says so.
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(chat_model_dir, moved)
+    stale = str(tmp_path / "stale.safetensors")
+    assert cli.main(["cache-prompt", "--model", str(moved), "--kv", "tq4", "-p", "w3 w4", "--prompt-cache-file", stale]) == 0
+    shutil.rmtree(moved)
+    shutil.copytree(other_dir, moved)
+    capsys.readouterr()
+    assert cli.main(["generate", "-p", "w3", "-m", "2", "--prompt-cache-file", stale]) == 2
+    assert "is laid out for another model" in capsys.readouterr().err

@@ -44,6 +44,17 @@ def random_model(config=CONFIG, seed=0):
     return model
 
 
+def varied_model(config=CONFIG):
+    """A tiny model whose greedy output rarely repeats a token (weights at std 0.8), so a
+    wrong position or a mixed-up cache shows in the text."""
+    mx.random.seed(1)
+    Model, Args = get_model_classes(config["model_type"])
+    model = Model(Args.from_dict(config))
+    model.update(nn.utils.tree_map(lambda p: 0.8 * mx.random.normal(p.shape), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
 def write_tokenizer(path):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -14,29 +14,16 @@ import time
 import urllib.error
 import urllib.request
 
-import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from conftest import plain
-from test_loading import CONFIG, write_hf_dir
+from test_loading import varied_model, write_hf_dir
 
 import turbospark_mlx as ts
-from turbospark_mlx.models import get_model_classes
 from turbospark_mlx.server import Engine, Server
 
 KV = plain("tq4")  # short test prompts fit a shipped preset's FP16 window: plain codes are read here
 TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}w1 :"
 PROMPTS = ["w3 w4 w5 w6 w7", "w9 w8 w7 w6 w5 w4 w3 w2 w1 w10 w11"]
-
-
-def varied_model():
-    """A tiny llama whose greedy output rarely repeats a token (weights at std 0.8), so a
-    wrong position or a mixed-up cache shows in the text."""
-    mx.random.seed(1)
-    Model, Args = get_model_classes("llama")
-    model = Model(Args.from_dict(CONFIG))
-    model.update(nn.utils.tree_map(lambda p: 0.8 * mx.random.normal(p.shape), model.parameters()))
-    return model
 
 
 @pytest.fixture(scope="module")

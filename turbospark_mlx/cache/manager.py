@@ -529,18 +529,20 @@ class KVCacheManager:
 
     # -- state --------------------------------------------------------------
 
-    def save(self, path: str) -> str:
+    def save(self, path: str, metadata: dict[str, str] | None = None) -> str:
         """Save storage and layout to a safetensors file, atomically; returns the path written.
 
-        The file carries a SHA-256 digest of its tensors and metadata, so a
-        truncated or edited file is refused at load (`cache.io`).
+        The file carries a SHA-256 digest of its tensors and metadata (the caller's
+        `metadata` strings included), so a truncated or edited file is refused at load
+        (`cache.io`).
         """
-        return io.save(self, path)
+        return io.save(self, path, metadata)
 
     @classmethod
-    def from_file(cls, path: str) -> "KVCacheManager":
-        """Load a cache saved by `save`; a damaged or edited file raises ValueError."""
-        return io.load(path, cls)
+    def from_file(cls, path: str, return_metadata: bool = False):
+        """Load a cache saved by `save`; a damaged or edited file raises ValueError.
+        With return_metadata, returns (cache, the metadata given to `save`)."""
+        return io.load(path, cls, return_metadata)
 
     def load_state(self, path: str) -> None:
         """Replace this cache's contents with a saved file of the same layout.
