@@ -70,6 +70,7 @@ def test_unknown_preset_is_a_clear_error(tmp_path, capsys):
         (["--stop", ""], "--stop must not be empty"),
         (["-m", "0"], "--max-tokens must be >= 1"),
         (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
     ],
 )
 def test_bad_values_are_refused_before_the_model_loads(flags, message, capsys):
@@ -253,3 +254,13 @@ def test_prompt_cache_file_refuses_mismatches_and_damage(chat_model_dir, tmp_pat
     capsys.readouterr()
     assert cli.main(["generate", "-p", "w3", "-m", "2", "--prompt-cache-file", stale]) == 2
     assert "is laid out for another model" in capsys.readouterr().err
+
+
+def test_draft_model_gives_the_same_text_and_counts_accepted_tokens(chat_model_dir, capsys):
+    base = ["generate", "--model", str(chat_model_dir), "-p", words(30, 3), "-m", "24", "--kv", "tq4"]
+    assert cli.main(base) == 0
+    plain_out = capsys.readouterr().out
+    assert cli.main([*base, "--draft-model", str(chat_model_dir), "--num-draft-tokens", "2"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == plain_out and plain_out.strip()
+    assert "draft tokens accepted: 16/24" in cap.err  # the model as its own draft: y, d, d, y, d, d, ...

@@ -387,3 +387,33 @@ def test_generate_takes_a_config_object(tmp_path):
     assert last.kv == config.name and last.generation_tokens == 3
     cache = ts.make_cache(model, kv=config)
     assert cache.layer_quant(0) is None and cache.layer_quant(1).k.bits == 3
+
+
+@pytest.mark.parametrize("kv", ["fp16", "tq4"])
+def test_speculative_decoding_gives_the_models_tokens(tmp_path, kv):
+    """A draft model proposes, the model decides: greedy tokens equal plain generation's whatever
+    the draft (an unrelated one, or the model itself, whose every proposal is accepted), and
+    the cache ends at the tokens fed back, also when generation stops inside accepted drafts."""
+    config = dict(CONFIG, max_position_embeddings=256)
+    model = varied_model(config)
+    tok = ts.load(write_hf_dir(tmp_path / "m", model, config))[1]
+    unrelated = random_model(dict(config, num_hidden_layers=1), seed=5)
+    ids = tok.encode("w1 w2 w3 w4 w5 w6 w7")
+    plain_run = [r.token for r in ts.stream_generate(model, tok, ids, kv=kv, max_tokens=40, stop_tokens=[])]
+    assert len(set(plain_run)) > 10
+    for draft, n in [(unrelated, 3), (model, 4)]:
+        out = list(ts.stream_generate(model, tok, ids, kv=kv, max_tokens=40, stop_tokens=[], draft_model=draft,
+                                      num_draft_tokens=n))
+        assert [r.token for r in out] == plain_run
+        accepted = sum(r.from_draft for r in out)
+        assert (accepted == 39 - 39 // (n + 1)) if draft is model else (accepted < 20)
+    # Stops inside a run of accepted drafts (stop token / length): the cache holds what was fed.
+    for stop_at, max_tokens in [(6, 40), (None, 7)]:
+        cache = ts.make_cache(model, kv=kv, max_rows=16)
+        stops = [] if stop_at is None else [plain_run[stop_at]]
+        out = [r.token for r in ts.stream_generate(model, tok, ids, cache=cache, max_tokens=max_tokens,
+                                                   stop_tokens=stops, draft_model=model, num_draft_tokens=4)]
+        assert out == plain_run[: len(out)]
+        assert cache.offset == len(ids) + len(out) - 1
+    with pytest.raises(ValueError, match="vocabulary"):
+        next(ts.stream_generate(model, tok, ids, draft_model=random_model(dict(config, vocab_size=80))))

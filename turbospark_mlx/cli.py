@@ -83,6 +83,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         ("--repetition-penalty", args.repetition_penalty is None or args.repetition_penalty > 0, "must be > 0"),
         ("--seed", args.seed is None or args.seed >= 0, "must be >= 0"),
         ("--stop", all(args.stop or []), "must not be empty"),
+        ("--num-draft-tokens", getattr(args, "num_draft_tokens", 1) >= 1, "must be >= 1"),
     ]
     for flag, ok, what in checks:
         if not ok:
@@ -134,7 +135,13 @@ def _generate(args: argparse.Namespace) -> int:
                         "--ignore-chat-template was given)")
     if cache is not None:
         prompt = _after_prompt_cache(args, cache, meta, model, tokenizer, prompt, chat)
-    last, interrupted = None, False
+    draft = None
+    if args.draft_model is not None:
+        draft, draft_tokenizer = load(args.draft_model)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise _ArgError(f"--draft-model: its tokenizer has {draft_tokenizer.vocab_size} tokens, the model's "
+                            f"{tokenizer.vocab_size}; a draft model must share the model's vocabulary")
+    last, interrupted, accepted = None, False, 0
     try:
         for last in stream_generate(
             model,
@@ -145,14 +152,18 @@ def _generate(args: argparse.Namespace) -> int:
             system=args.system_prompt,
             max_context=args.max_context,
             progress=_Progress(),
+            draft_model=draft,
+            num_draft_tokens=args.num_draft_tokens,
             **_sampling(args),
         ):
             print(last.text, end="", flush=True)
+            accepted += last.from_draft
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and say so, without a traceback
         interrupted = True
     print(flush=True)  # the text's line ends before the stats reach stderr
     if args.verbose and last is not None:
-        print(("[interrupted] " if interrupted else "") + last.stats_line(), file=sys.stderr)
+        drafted = f" | draft tokens accepted: {accepted}/{last.generation_tokens}" if draft is not None else ""
+        print(("[interrupted] " if interrupted else "") + last.stats_line() + drafted, file=sys.stderr)
     return 130 if interrupted else 0
 
 
@@ -543,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file from `turbospark-mlx cache-prompt`: generation continues after its cached prompt "
         "(its model and preset are used)",
     )
+    g.add_argument("--draft-model", help="a smaller model with the same vocabulary for speculative decoding")
+    g.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (default %(default)s)")
     g.set_defaults(func=_generate)
     cp = sub.add_parser(
         "cache-prompt",

@@ -37,6 +37,7 @@ class GenerationResponse:
         kv_bytes: bytes the KV cache has allocated now; kv_fp16_bytes: the same capacity as FP16.
         kv: the cache preset's name.
         finish_reason: None while generating, then "stop" or "length".
+        from_draft: the token was a draft model's proposal the model accepted.
     """
 
     text: str
@@ -50,6 +51,7 @@ class GenerationResponse:
     kv_fp16_bytes: int
     kv: str
     finish_reason: str | None = None
+    from_draft: bool = False
 
     def stats_line(self) -> str:
         ratio = self.kv_bytes / self.kv_fp16_bytes if self.kv_fp16_bytes else 1.0
@@ -65,6 +67,10 @@ class GenerationResponse:
             f"KV cache ({self.kv}, allocated): {self.kv_bytes / 2**20:.2f} MiB vs FP16 "
             f"{self.kv_fp16_bytes / 2**20:.2f} MiB ({ratio:.3f}x)"
         )
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    return getattr(getattr(model, "args", None), "vocab_size", None)
 
 
 def model_max_context(model: nn.Module) -> int | None:
@@ -242,6 +248,8 @@ def stream_generate(
     prefill_step_size: int = 512,
     max_context: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    draft_model: nn.Module | None = None,
+    num_draft_tokens: int = 3,
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt`, one `GenerationResponse` per token.
 
@@ -261,6 +269,8 @@ def stream_generate(
         prefill_step_size: prompt rows per forward pass (<= the cache's max_rows).
         max_context: positions the cache may hold; default the model's max_position_embeddings.
         progress: called as progress(done, total) after each prefill chunk.
+        draft_model: a smaller model with the same vocabulary for speculative decoding (its
+            cache uses the same preset); num_draft_tokens: its proposals per step.
     Raises:
         ValueError: the prompt is empty, or prompt plus max_tokens exceeds the context.
     """
@@ -271,6 +281,12 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if prefill_step_size < 1:
         raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+    if draft_model is not None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+        if vocab != draft_vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the model's ({vocab})")
     context = max_context or (cache.max_context if cache is not None else None) or model_max_context(model)
     start = cache.offset if cache is not None else 0
     if context is not None and start + len(ids) + max_tokens > context:
@@ -295,39 +311,103 @@ def stream_generate(
     prompt_time = time.perf_counter() - tic
     prompt_tps = len(ids) / prompt_time
 
-    n = 0
-    while True:
-        # Pipelined like mlx-lm's generate_step: the next step is queued on the GPU before
-        # this token is read, so the host builds step n + 1 while the GPU runs step n.
-        ahead = None
-        if n + 1 < max_tokens:
-            after = mx.concatenate([history, y.reshape(1)])
-            ahead = pick(after, model(y.reshape(1, 1), cache=cache)[:, -1, :])
-            mx.async_eval(ahead)
-        token = y.item()
-        n += 1
-        segment, finish = stream.add(token)
-        if finish is not None and ahead is not None:
-            cache.trim(1)  # the step computed ahead: the cache holds only the tokens fed back
-        if n == 1:
-            tic = time.perf_counter()  # decode speed counts the tokens after the first
-        gen_time = time.perf_counter() - tic
-        yield GenerationResponse(
-            text=segment,
-            token=token,
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=(n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            kv_bytes=cache.nbytes,
-            kv_fp16_bytes=cache.fp16_nbytes(),
-            kv=cache.config.name,
-            finish_reason=finish,
+    if draft_model is None:
+        tokens = _pipelined_tokens(model, cache, history, y, pick, max_tokens)
+    else:
+        draft_cache = make_cache(draft_model, kv=cache.config, max_rows=cache.max_rows, max_context=context)
+        prefill(draft_model, draft_cache, history[None], prefill_step_size)
+        tokens = _speculative_tokens(
+            model, draft_model, cache, draft_cache, history, y, pick, max_tokens, num_draft_tokens
         )
-        if finish is not None:
-            return
-        history, y = after, ahead
+    try:
+        for n, (token, from_draft) in enumerate(tokens, 1):
+            segment, finish = stream.add(token)
+            if n == 1:
+                tic = time.perf_counter()  # decode speed counts the tokens after the first
+            gen_time = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=segment,
+                token=token,
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=(n - 1) / gen_time if n > 1 and gen_time > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                kv_bytes=cache.nbytes,
+                kv_fp16_bytes=cache.fp16_nbytes(),
+                kv=cache.config.name,
+                finish_reason=finish,
+                from_draft=from_draft,
+            )
+            if finish is not None:
+                return
+    finally:
+        tokens.close()  # gives back the rows computed ahead: the cache holds the tokens fed back
+
+
+def _pipelined_tokens(model, cache, history, y, pick, max_tokens: int) -> Iterator[tuple[int, bool]]:
+    """(token, False) per step. Pipelined like mlx-lm's generate_step: step n + 1 is queued
+    before token n is read, so the host builds it while the GPU runs step n; closing the
+    iterator trims that step, so the cache holds the prompt and every token but the last."""
+    n, ahead = 0, None
+    try:
+        while True:
+            ahead = None
+            if n + 1 < max_tokens:
+                after = mx.concatenate([history, y.reshape(1)])
+                ahead = pick(after, model(y.reshape(1, 1), cache=cache)[:, -1, :])
+                mx.async_eval(ahead)
+            n += 1
+            yield y.item(), False
+            if ahead is None:
+                return
+            history, y, ahead = after, ahead, None
+    finally:
+        if ahead is not None:
+            cache.trim(1)
+
+
+def _speculative_tokens(
+    model, draft_model, cache, draft_cache, history, y, pick, max_tokens: int, num_draft: int
+) -> Iterator[tuple[int, bool]]:
+    """(token, from_draft) by speculative decoding, as mlx-lm's speculative_generate_step: the
+    draft model proposes up to `num_draft` tokens, the model checks them all in one forward
+    pass of M rows and keeps the proposals its own sampler agrees with, then its own next
+    token. The tokens are the model's (the draft only saves steps). Closing the iterator
+    trims the rows checked beyond the last token given, as `_pipelined_tokens` does."""
+    produced, excess = 0, 0  # excess: cache rows beyond the tokens given but the last
+    try:
+        while True:
+            produced += 1
+            yield y.item(), False
+            n = min(num_draft, max_tokens - produced)
+            if n < 1:
+                return
+            seen, drafts, t = mx.concatenate([history, y.reshape(1)]), [], y
+            for _ in range(n):  # the draft cache ends holding y and the first n - 1 drafts
+                t = pick(seen, draft_model(t.reshape(1, 1), cache=draft_cache)[:, -1, :])
+                seen = mx.concatenate([seen, t.reshape(1)])
+                drafts.append(t)
+            logits = model(seen[-(n + 1) :][None], cache=cache)[0]  # rows for y, d_1 .. d_n
+            mains = [pick(seen[: len(history) + 1 + i], logits[i : i + 1]) for i in range(n + 1)]
+            mx.eval(mains, drafts)
+            k = 0
+            while k < n and mains[k].item() == drafts[k].item():
+                k += 1
+            cache.trim(n - k)  # keep y and the k drafts the model agrees with
+            if k < n:
+                draft_cache.trim(n - 1 - k)
+            else:
+                draft_model(drafts[-1].reshape(1, 1), cache=draft_cache)
+            history = seen[: len(history) + 1 + k]
+            for j in range(k):
+                excess = k - j  # rows for d_j+1 .. d_k, not yet given
+                produced += 1
+                yield drafts[j].item(), True
+            excess, y = 0, mains[k]
+    finally:
+        if excess:
+            cache.trim(excess)
 
 
 def generate(
