@@ -180,11 +180,23 @@ def test_mlx_lm_adapter_serves_protected_presets(tmp_path):
     assert mx.array_equal(model(nxt, cache=whole), model(nxt, cache=loaded)).item()
 
 
-def test_mlx_lm_batch_cache_refuses_protected_presets():
-    from turbospark_mlx.mlx_lm import TurboSparkBatchKVCache
+def test_mlx_lm_batch_generate_with_the_shipped_presets():
+    """mlx_lm.batch_generate on protected presets (window, sinks, centring): prompts of
+    different lengths, right-padded in one prefill, each get the tokens they get alone."""
+    import mlx_lm
+    from test_mlx_lm import TinyTokenizer, greedy, tiny_model
 
-    with pytest.raises(NotImplementedError, match="window_rows=0"):
-        TurboSparkBatchKVCache([0, 2], kv=protected())
+    from turbospark_mlx.mlx_lm import make_prompt_cache, patch_model, unpatch_model
+
+    model = tiny_model("llama")
+    tok = TinyTokenizer(97).wrapper
+    for kv in ("k8v4", protected()):
+        patch_model(model, kv)
+        prompts = [list(range(5, 25)), [3, 4], list(range(20, 31))]
+        result = mlx_lm.batch_generate(model, tok, prompts, max_tokens=6)
+        for p, text in zip(prompts, result.texts):
+            assert text == tok.decode(greedy(model, mx.array(p), make_prompt_cache(model, kv), 6)), kv
+        unpatch_model(model)
 
 
 def test_tq4_bytes_at_32k_with_window_and_sinks():

@@ -5,7 +5,8 @@ attention (`patch.py`) writes through `store_kv` (staging -> `commit_kv` quantiz
 reads through `attention_any`; the compressed history is never expanded to FP16, so
 `update_and_fetch`, which unconverted attention code calls for FP16 K/V, raises a clear
 error. `TurboSparkBatchKVCache` serves `mlx_lm.batch_generate` / `BatchGenerator` through
-merge / extract / filter / extend, with left padding as a per-sequence `kv_start`.
+merge / extract / filter / extend, one single-sequence cache per sequence (padding is skipped,
+never stored).
 
 Supported mlx-lm: >=0.31.3,<0.33 (0.31.x saves `state` arrays plus `meta_state`
 strings; 0.32.x puts scalars and strings in `state`).
@@ -13,6 +14,7 @@ strings; 0.32.x puts scalars and strings in `state`).
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import mlx.core as mx
@@ -45,18 +47,32 @@ def _layer_config(config: TurboQuantConfig) -> TurboQuantConfig:
     return config.with_(name=config.name, fp16_first=0, fp16_last=0, fp16_layers=(), quantize_layers=None)
 
 
-class _TurboSparkCacheBase:
-    """What the single and batch caches share: a one-layer `KVCacheManager` and its protocol glue.
+class TurboSparkKVCache:
+    """mlx-lm prompt cache for one full-attention layer, TurboQuant-compressed.
+
+    An adapter over a one-layer `KVCacheManager`: the manager owns the packed
+    codes and norms; this class speaks mlx-lm's cache protocol (offset, state,
+    trim, make_mask, merge). Attention reaches it through the converted
+    attention modules (`patch_model`), which call `attend`.
+
+    Args:
+        kv: a preset name ("tq4", "k8v4", ...) or a `TurboQuantConfig`.
+        max_rows: rows quantized per commit (bounds the FP16 staging transient).
+        q_block: query rows per attention call during prefill; bounds the score
+            matrix of a long chunk ((B, Hq, q_block, T) at a time).
+        dtype: staging dtype, "float16" or "bfloat16"; by default bfloat16 for
+            bfloat16 models, float16 otherwise.
 
     Attributes:
         config: the per-layer preset (bits per side, rotation, seed).
-        max_rows: rows quantized per commit; longer writes (prefill chunks) go
-            in pieces of this many rows, which bounds the FP16 staging transient.
-        q_block: query rows per attention call; bounds the score matrix of a
-            long prefill chunk (scores are (B, Hq, q_block, T) at a time).
     """
 
     step = 256
+
+    def __init__(
+        self, kv: str | TurboQuantConfig = DEFAULT_PRESET, *, max_rows: int = 256, q_block: int = 256, dtype=None
+    ):
+        self._setup(kv, max_rows, q_block, dtype)
 
     def _setup(self, config: TurboQuantConfig, max_rows: int, q_block: int, dtype: str | None) -> None:
         if max_rows < 1 or q_block < 1:
@@ -100,35 +116,29 @@ class _TurboSparkCacheBase:
     def _position(self) -> int:
         return 0 if self._kv is None else self._kv.layer_offset(0)
 
-    def _store_and_attend(self, queries, keys, values, *, scale, sinks, kv_starts) -> mx.array:
-        """Write M rows at the next position (quantized through the project's write path) and attend.
-
-        kv_starts: list of (row_from, kv_start) query-block boundaries, see
-        `TurboSparkBatchKVCache._kv_starts`; [(0, 0)] for an unpadded cache.
-        """
+    def _store_and_attend(self, queries, keys, values, *, scale, sinks) -> mx.array:
+        """Write M rows at the next position (quantized through the project's write path) and attend."""
         if keys.shape != values.shape:
             raise ValueError(f"keys {keys.shape} and values {values.shape} differ in shape")
         kv = self._ensure(keys)
         pos = kv.layer_offset(0)
         M = keys.shape[2]
-        # Query blocks: at most q_block rows, split where a sequence's kv_start changes and
-        # where a write of max_rows rows ends. Rows are stored piece by piece just ahead of
-        # the block that reads them: a layer's FP16 window ring holds max_rows rows beyond it.
-        cuts = {0, M} | {r for r, _ in kv_starts if 0 < r < M}
-        cuts = sorted(cuts | set(range(0, M, self.q_block)) | set(range(0, M, self.max_rows)))
+        # Query blocks: at most q_block rows, split where a write of max_rows rows ends. Rows
+        # are stored piece by piece just ahead of the block that reads them: a layer's FP16
+        # window ring holds max_rows rows beyond it.
+        cuts = sorted({0, M} | set(range(0, M, self.q_block)) | set(range(0, M, self.max_rows)))
         outs, stored = [], 0
         for a, b in zip(cuts, cuts[1:]):
             while stored < b:
                 e = min(M, stored + self.max_rows)
                 store_kv(kv, 0, pos + stored, keys[:, :, stored:e], values[:, :, stored:e])
                 stored = e
-            start = next(st for r, st in reversed(kv_starts) if r <= a)
             q = queries[:, :, a:b]
             if outs:
                 # Block a+1 waits for block a, so MLX frees a's scores before b's exist
                 # (measured: a 2048-row chunk over 8k keys, 623 -> 177 MiB of transients).
                 q = mx.depends(q, outs[-1])
-            outs.append(attention_any(kv, 0, q, pos + a, scale=scale, sinks=sinks, kv_start=start))
+            outs.append(attention_any(kv, 0, q, pos + a, scale=scale, sinks=sinks))
         # Staging rows are a transient of the write: none are kept between calls.
         kv.stage.rows.clear()
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
@@ -188,28 +198,6 @@ class _TurboSparkCacheBase:
         self._kv = self._manager(next(iter(named.values())).shape[0])
         self._kv.set_layer_arrays(0, named, int(offset))
 
-
-class TurboSparkKVCache(_TurboSparkCacheBase):
-    """mlx-lm prompt cache for one full-attention layer, TurboQuant-compressed.
-
-    An adapter over a one-layer `KVCacheManager`: the manager owns the packed
-    codes and norms; this class speaks mlx-lm's cache protocol (offset, state,
-    trim, make_mask, merge). Attention reaches it through the converted
-    attention modules (`patch_model`), which call `attend`.
-
-    Args:
-        kv: a preset name ("tq4", "k8v4", ...) or a `TurboQuantConfig`.
-        max_rows: rows quantized per commit (bounds the FP16 staging transient).
-        q_block: query rows per attention call during prefill.
-        dtype: staging dtype, "float16" or "bfloat16"; by default bfloat16 for
-            bfloat16 models, float16 otherwise.
-    """
-
-    def __init__(
-        self, kv: str | TurboQuantConfig = DEFAULT_PRESET, *, max_rows: int = 256, q_block: int = 256, dtype=None
-    ):
-        self._setup(kv, max_rows, q_block, dtype)
-
     @property
     def offset(self) -> int:
         return self._position()
@@ -218,7 +206,7 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
         self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, sinks=None
     ) -> mx.array:
         """Store M new (post-RoPE) K/V rows and return attention of the M queries over the cache."""
-        return self._store_and_attend(queries, keys, values, scale=scale, sinks=sinks, kv_starts=[(0, 0)])
+        return self._store_and_attend(queries, keys, values, scale=scale, sinks=sinks)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         from mlx_lm.models.cache import create_attention_mask
@@ -279,217 +267,132 @@ class TurboSparkKVCache(_TurboSparkCacheBase):
 
     @classmethod
     def merge(cls, caches: Sequence["TurboSparkKVCache"]) -> "TurboSparkBatchKVCache":
-        """A batch cache holding these sequences right-justified (left padding), as BatchKVCache.merge."""
+        """A batch cache of copies of these sequences, as BatchKVCache.merge."""
         return TurboSparkBatchKVCache.merge(caches)
 
 
-class TurboSparkBatchKVCache(_TurboSparkCacheBase):
-    """Batched TurboSpark cache for `BatchGenerator`, the counterpart of mlx-lm's `BatchKVCache`.
+class TurboSparkBatchKVCache:
+    """Batched TurboSpark cache for `BatchGenerator` / `batch_generate`, the counterpart of
+    mlx-lm's `BatchKVCache`: one `TurboSparkKVCache` per sequence.
 
-    Sequences are left-padded: sequence b's rows before `left_padding[b]` are
-    padding and are hidden from attention by `kv_start = left_padding`.
-    `offset` is a (B,) array (tokens per sequence, for RoPE); `_idx` the next
-    storage row.
+    Each sequence writes and reads its own single-sequence cache at its own position, so
+    padding is never stored: pad rows of a left- or right-padded input are skipped (their
+    outputs are zeros, which the caller discards), every preset batches (a protected
+    preset's sink rows and key mean stay the sequence's own), and each sequence's results
+    are those of running it alone. `offset` is a (B,) array for RoPE. The projections still
+    run batched in the model; attention costs one call per sequence.
     """
 
     def __init__(self, left_padding: Sequence[int], kv=DEFAULT_PRESET, *, max_rows=256, q_block=256, dtype=None):
-        self._setup(kv, max_rows, q_block, dtype)
-        if self.config.is_protected:
-            raise NotImplementedError(
-                f"preset {self.config.name!r} keeps FP16 window / sink rows, which batched generation "
-                f"does not merge yet; for BatchGenerator pass get_preset({self.config.name!r}).plain() "
-                "(window_rows=0, sink_rows=0, center_keys=False)"
-            )
-        self._pad = [int(p) for p in left_padding]
-        self.offset = mx.array([-p for p in self._pad])
-        self._idx = 0
-        self._right_padding = None
+        self.seqs = [TurboSparkKVCache(kv, max_rows=max_rows, q_block=q_block, dtype=dtype) for _ in left_padding]
+        self._skip = [int(p) for p in left_padding]  # leading pad rows still to come, per sequence
+        self._take: list[int] | None = None  # real rows still to come in a right-padded prompt
 
     @property
-    def left_padding(self) -> mx.array:
-        return mx.array(self._pad)
+    def offset(self) -> mx.array:
+        return mx.array([s.offset for s in self.seqs])
 
-    def _kv_starts(self, M: int) -> list[tuple[int, int | mx.array]]:
-        """Query-block boundaries and kv_start per block for M rows at `_idx`.
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.seqs)
 
-        A query row at position t of sequence b is a padding row when t < pad[b];
-        `attention_any` needs kv_start <= the block's first position, so blocks
-        are cut at each padding boundary and a padding row's kv_start is clamped
-        to its block start (its output is discarded by the model's caller).
-        """
-        pos = self._idx
-        cuts = sorted({p - pos for p in self._pad if pos < p < pos + M} | {0})
-        if max(self._pad) == 0:
-            return [(0, 0)]
-        return [(r, mx.array([min(p, pos + r) for p in self._pad])) for r in cuts]
+    def empty(self) -> bool:
+        return all(s.empty() for s in self.seqs)
 
-    def attend(self, queries, keys, values, *, scale: float, sinks=None) -> mx.array:
-        if keys.shape[0] != len(self._pad):
-            raise ValueError(f"batch of {keys.shape[0]} sequences, the cache holds {len(self._pad)}")
-        out = self._store_and_attend(
-            queries, keys, values, scale=scale, sinks=sinks, kv_starts=self._kv_starts(keys.shape[2])
-        )
-        self._idx += keys.shape[2]
-        self.offset = self.offset + keys.shape[2]
-        return out
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        from mlx_lm.models.base import create_causal_mask
-
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+    def is_trimmable(self) -> bool:
+        return True
 
     def size(self) -> int:
-        return self._idx
+        return max((s.offset for s in self.seqs), default=0)
+
+    def _rows(self, b: int, M: int) -> tuple[int, int]:
+        """Rows [lo, hi) of the next M that are sequence b's tokens (the rest are padding)."""
+        lo = min(M, self._skip[b])
+        self._skip[b] -= lo
+        hi = M
+        if self._take is not None:
+            hi = min(M, lo + self._take[b])
+            self._take[b] -= hi - lo
+        return lo, hi
+
+    def attend(self, queries, keys, values, *, scale: float, sinks=None) -> mx.array:
+        B, _, M, _ = keys.shape
+        if B != len(self.seqs):
+            raise ValueError(f"batch of {B} sequences, the cache holds {len(self.seqs)}")
+        outs = []
+        for b, seq in enumerate(self.seqs):
+            lo, hi = self._rows(b, M)
+            out = mx.zeros((1, queries.shape[1], M, queries.shape[3]), queries.dtype)
+            if hi > lo:
+                rows = slice(b, b + 1), slice(None), slice(lo, hi)
+                part = seq.attend(queries[rows], keys[rows], values[rows], scale=scale, sinks=sinks)
+                out = part if (lo, hi) == (0, M) else mx.concatenate([out[:, :, :lo], part, out[:, :, hi:]], axis=2)
+            outs.append(out)
+        return mx.concatenate(outs, axis=0)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return None  # converted attention masks each sequence itself
+
+    def update_and_fetch(self, keys, values):
+        return self.seqs[0].update_and_fetch(keys, values)  # raises: see TurboSparkKVCache
 
     def trim(self, n: int) -> int:
-        n = min(self._idx, int(n))
-        if n > 0:
-            self._kv.trim(n)
-            self._idx -= n
-            self.offset = self.offset - n
-        return n
-
-    def _set_arrays(self, arrays: dict[str, mx.array], idx: int) -> None:
-        """Replace storage (any batch size) and the next row index."""
-        if not arrays:
-            self._kv = None
-        else:
-            self._kv = self._manager(arrays["k_codes"].shape[0])
-            self._kv.set_layer_arrays(0, arrays, idx)
-        self._idx = idx
+        return min([s.trim(n) for s in self.seqs], default=0)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """The next input's padding: left padding rows come first, `lengths` real rows then."""
         if left_padding is not None:
-            if self._kv is not None:
-                raise ValueError("left padding can only be added to an empty TurboSparkBatchKVCache")
-            self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
-            self.offset = self.offset - mx.array(left_padding)
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = [int(p) for p in right_padding]
+            self._skip = [p + int(q) for p, q in zip(self._skip, left_padding)]
+        if lengths is not None and right_padding is not None and max(right_padding) > 0:
+            self._take = [int(n) for n in lengths]
 
     def finalize(self) -> None:
-        """Right padding (prompts processed together) becomes left padding: roll each row right."""
-        if self._right_padding is None:
-            return
-        from mlx_lm.models.cache import dynamic_roll
-
-        shifts = mx.array(self._right_padding)
-        if self._kv is not None:
-            arrays = {n: dynamic_roll(a, shifts[:, None], axis=2) for n, a in self._arrays().items()}
-            self._set_arrays(arrays, self._idx)
-        self.offset = self.offset - shifts
-        self._pad = [p + r for p, r in zip(self._pad, self._right_padding)]
-        self._right_padding = None
+        """The right-padded prompt is in: nothing to move, the padding was never stored."""
+        self._take = None
 
     def filter(self, batch_indices) -> None:
-        idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
-        keep = [int(i) for i in idx.tolist()]
-        arrays = {n: a[idx] for n, a in self._arrays().items()}
-        self.offset = self.offset[idx]
-        self._pad = [self._pad[i] for i in keep]
-        shift = min(self._pad) if self._pad else 0
-        if shift > 0:  # drop the columns every sequence pads
-            arrays = {n: a[:, :, shift:] for n, a in arrays.items()}
-            self._pad = [p - shift for p in self._pad]
-        self._set_arrays(arrays, self._idx - shift)
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        self.seqs = [self.seqs[i] for i in keep]
+        self._skip = [self._skip[i] for i in keep]
+        if self._take is not None:
+            self._take = [self._take[i] for i in keep]
 
     def extend(self, other: "TurboSparkBatchKVCache") -> None:
-        if self.empty() and other.empty():
-            self._pad += other._pad
-            self.offset = mx.concatenate([self.offset, other.offset])
-            return
-        max_idx = max(self._idx, other._idx)
-        ref = (self if not self.empty() else other)._arrays()
-        cap = max(a["k_codes"].shape[2] for a in (self._arrays(), other._arrays()) if a)
-
-        def pad(c):
-            arrays = c._arrays()
-            B = len(c._pad)
-            if not arrays:
-                arrays = {n: mx.zeros((B, *r.shape[1:2], 0, *r.shape[3:]), r.dtype) for n, r in ref.items()}
-            left = max_idx - c._idx
-            right = cap - arrays["k_codes"].shape[2] - left
-            out = {}
-            for n, a in arrays.items():
-                if right < 0:
-                    a = a[:, :, :right]
-                widths = [(0, 0), (0, 0), (left, max(right, 0))] + [(0, 0)] * (a.ndim - 3)
-                out[n] = mx.pad(a, widths) if left or right > 0 else a
-            return out, [p + left for p in c._pad]
-
-        (a1, p1), (a2, p2) = pad(self), pad(other)
-        self.offset = mx.concatenate([self.offset, other.offset])
-        self._pad = p1 + p2
-        self._set_arrays({n: mx.concatenate([a1[n], a2[n]]) for n in a1}, max_idx)
+        self.seqs += other.seqs
+        self._skip += other._skip
+        if self._take is not None or other._take is not None:
+            raise ValueError("cannot extend a TurboSparkBatchKVCache in the middle of a padded prompt")
 
     def extract(self, idx: int) -> TurboSparkKVCache:
-        """Sequence `idx` as a single-sequence cache (its padding dropped)."""
-        single = TurboSparkKVCache(
-            self.config, max_rows=self.max_rows, q_block=self.q_block, dtype=self.dtype_name
-        )
-        p = self._pad[idx]
-        arrays = {n: mx.contiguous(a[idx : idx + 1, :, p : self._idx]) for n, a in self._arrays().items()}
-        single.shape = self.shape
-        if arrays:
-            single._kv = single._manager(1)
-            single._kv.set_layer_arrays(0, arrays, self._idx - p)
-        return single
+        """Sequence `idx` as a single-sequence cache (a copy: the batch goes on unchanged)."""
+        return copy.deepcopy(self.seqs[idx])
 
     @classmethod
     def merge(cls, caches: Sequence[TurboSparkKVCache]) -> "TurboSparkBatchKVCache":
-        first = next((c for c in caches if c.size()), caches[0])
-        lengths = [c.size() for c in caches]
-        max_length = max(lengths)
-        batch = cls(
-            [max_length - n for n in lengths],
-            first.config,
-            max_rows=first.max_rows,
-            q_block=first.q_block,
-            dtype=first.dtype_name,
-        )
-        if max_length == 0:
-            return batch
+        """A batch of copies of these caches (they stay as they are, e.g. in a prompt cache)."""
+        first = caches[0]
         for c in caches:
             if c.config != first.config:
                 raise ValueError("cannot batch TurboSpark caches built with different presets")
-        ref = next(c._arrays() for c in caches if c.size())
-        rows = {}
-        for n, r in ref.items():
-            parts = []
-            for pad_rows, c in zip(batch._pad, caches):
-                a = c._arrays().get(n)
-                a = (
-                    a[:, :, : c.size()]
-                    if a is not None
-                    else mx.zeros((1, r.shape[1], 0, *r.shape[3:]), r.dtype)
-                )
-                parts.append(mx.pad(a, [(0, 0), (0, 0), (pad_rows, 0)] + [(0, 0)] * (a.ndim - 3)))
-            rows[n] = mx.concatenate(parts)
-        batch.shape = first.shape
-        batch._set_arrays(rows, max_length)
-        batch.offset = batch.offset + max_length
+        batch = cls([0] * len(caches), first.config, max_rows=first.max_rows, q_block=first.q_block,
+                    dtype=first.dtype_name)  # fmt: skip
+        batch.seqs = [copy.deepcopy(c) for c in caches]
         return batch
 
     @property
     def state(self):
-        arrays = tuple(self._arrays().get(n) for n in _NAMES)
-        return (*arrays, self.offset, mx.array(self._pad), self._idx, *self._config_meta())
+        """Each sequence's state (what BatchGenerator evaluates and save_prompt_cache stores)."""
+        return [s.state for s in self.seqs]
 
     @state.setter
     def state(self, v):
-        v = list(v)
-        self._set_config_meta(*v[7:])
-        self._pad = [int(p) for p in v[5].tolist()]
-        self.offset = v[4]
-        self._right_padding = None
-        arrays = v[:4]
-        if any(a is None or a.size == 0 for a in arrays):
-            self._set_arrays({}, int(v[6]))
-        else:
-            self._set_arrays(dict(zip(_NAMES, arrays)), int(v[6]))
+        self.seqs = [TurboSparkKVCache.from_state(s) for s in v]
+        self._skip, self._take = [0] * len(self.seqs), None
 
     @classmethod
     def from_state(cls, state, meta_state=None):
+        if meta_state is not None:
+            raise ValueError("a TurboSparkBatchKVCache is saved with mlx-lm >= 0.32; extract() its sequences instead")
         obj = cls.__new__(cls)
         obj.state = state
         return obj

@@ -23,7 +23,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset, warn_quality
-from .cache import TurboSparkBatchKVCache, TurboSparkKVCache, _TurboSparkCacheBase
+from .cache import TurboSparkBatchKVCache, TurboSparkKVCache
 
 _CACHE_CLASSES = (TurboSparkKVCache, TurboSparkBatchKVCache)
 
@@ -131,7 +131,7 @@ def _family_key(cls: type) -> str:
 def _turbospark_call(self, x: mx.array, mask=None, cache=None):
     """Attention forward: TurboSpark caches go through attend(); any other cache to the original."""
     original = type(self)._turbospark_original
-    if not isinstance(cache, _TurboSparkCacheBase):
+    if not isinstance(cache, (TurboSparkKVCache, TurboSparkBatchKVCache)):
         return original.__call__(self, x, mask, cache)
     fam = _FAMILIES[_family_key(original)]
     B, L, _ = x.shape
@@ -140,7 +140,7 @@ def _turbospark_call(self, x: mx.array, mask=None, cache=None):
     v = self.v_proj(x).reshape(B, L, getattr(self, fam.n_kv_heads), -1).transpose(0, 2, 1, 3)
     if fam.norms:
         q, k = self.q_norm(q), self.k_norm(k)
-    # The mask is not needed: attend() masks causally by position, padding by kv_start.
+    # The mask is not needed: attend() masks causally by position and skips padding rows.
     q = self.rope(q, offset=cache.offset)
     k = self.rope(k, offset=cache.offset)
     sinks = getattr(self, fam.sinks) if fam.sinks else None
