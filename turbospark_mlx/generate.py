@@ -92,7 +92,7 @@ def encode_prompt(
 
 def _eval_cache(cache: KVCacheManager) -> None:
     """Evaluate the cache's storage so a long prefill does not build one huge lazy graph."""
-    arrays = [a for i in range(cache.n_layers) for a in cache.layer_arrays(i).values()]
+    arrays = [a for l in cache.owned_layers().values() for a in l.arrays.values()]
     mx.eval(arrays)
 
 

@@ -1,0 +1,156 @@
+"""Tensor and pipeline parallelism on 2 local ranks: `mlx.launch -n 2 --backend ring`, CPU.
+
+One launch runs every case of tests/distributed_worker.py (tensor parallel and pipeline for
+the package's families, the drop-in cache on a sharded mlx-lm model; fp16, tq4 and k8v4).
+This process runs the same seeded models in one process and compares, per case: the greedy
+tokens and the logits they were picked from; each rank's KV bytes (1/N of the single
+process's under tensor parallelism, its own layers' under pipeline); and the storage itself:
+layer 0 of a tensor-parallel rank is the single process's slice of its heads bit for bit
+(codes, norms, FP16 window, key mean: the rank's heads use the rotations and codebooks of the
+single process), and a pipeline stage's layers are the single process's bit for bit. A
+second launch, in which rank 1 fails mid-generation, must end with an error inside a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distributed_worker as worker
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+N = 2
+TIMEOUT_S = 240  # the whole launch; measured ~15 s on 2 cores
+FAIL_TIMEOUT_S = 60
+
+
+def _launcher() -> str | None:
+    here = Path(sys.executable).parent / "mlx.launch"
+    return str(here) if here.is_file() else shutil.which("mlx.launch")
+
+
+LAUNCH = _launcher()
+pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (it comes with mlx)")
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free: the ring backend listens on one port per rank."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def launch(out_dir: Path, *args: str, timeout: float) -> tuple[str, float]:
+    """Run the worker on N ranks; returns (its stdout + stderr, seconds). A launch still running
+    after `timeout` seconds is killed (the launcher and its ranks) and fails the test."""
+    env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference")
+    # The ranks import the package from this checkout, as this process does.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    cmd = [LAUNCH, "-n", str(N), "--backend", "ring", "--starting-port", str(_free_port_pair())]
+    cmd += ["--python", sys.executable, str(WORKER), str(out_dir), *args]
+    tic = time.monotonic()
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the {N}-rank launch still ran after {timeout} s (a hang); output:\n{out[-4000:]}")
+    return out, time.monotonic() - tic
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results (the json it wrote, plus its arrays by case)."""
+    out_dir = tmp_path_factory.mktemp("ranks")
+    out, _ = launch(out_dir, timeout=TIMEOUT_S)
+    results = []
+    for r in range(N):
+        path = out_dir / f"rank{r}.json"
+        # mlx.launch exits 0 even when a rank fails: each rank's result file is the evidence.
+        assert path.is_file(), f"rank {r} wrote no results; launch output:\n{out[-4000:]}"
+        res = json.loads(path.read_text())
+        assert res["size"] == N
+        res["arrays"] = {
+            worker.case_name(*c): dict(np.load(out_dir / f"rank{r}_{worker.case_name(*c)}.npz"))
+            for c in worker.CASES
+        }
+        results.append(res)
+    return results
+
+
+def single_process(mode: str, family: str, kv: str) -> tuple[dict, dict]:
+    """The case run unsharded in this process: (results, arrays) as a rank reports them."""
+    mlx_lm = mode == "mlx_lm"
+    tokens, logits, cache = worker.greedy(worker.build(family, mlx_lm=mlx_lm), kv, mlx_lm=mlx_lm)
+    nbytes = sum(c.nbytes for c in cache) if mlx_lm else cache.nbytes
+    arrays = worker.layer_arrays(cache, mlx_lm)
+    arrays["logits"] = np.array(logits)
+    layers = {str(i): n for i, n in worker.layer_bytes(cache, mlx_lm).items()}
+    return {"tokens": tokens, "nbytes": nbytes, "layer_nbytes": layers}, arrays
+
+
+@pytest.mark.parametrize("case", worker.CASES, ids=[worker.case_name(*c) for c in worker.CASES])
+def test_ranks_match_single_process(ranks, case):
+    mode, family, kv = case
+    name = worker.case_name(*case)
+    want, want_arrays = single_process(*case)
+    for r, res in enumerate(ranks):
+        got, arrays = res[name], res["arrays"][name]
+        assert got["tokens"] == want["tokens"], (r, got["tokens"], want["tokens"])
+        # Tensor parallel sums partial projections in another order: float32 rounding apart.
+        scale = np.abs(want_arrays["logits"]).max()
+        np.testing.assert_allclose(arrays["logits"], want_arrays["logits"], rtol=0, atol=2e-3 * scale)
+        if mode == "pp":
+            continue
+        assert got["nbytes"] * N == want["nbytes"], (r, got["nbytes"], want["nbytes"])
+        assert {k: v * N for k, v in got["layer_nbytes"].items()} == want["layer_nbytes"]
+        # Layer 0 sees the same input on every rank: its storage is the single process's heads
+        # [r * H/N, (r + 1) * H/N) exactly, so the shard used the same rotation and codebook.
+        layer0 = [k for k in want_arrays if k.startswith("0.")]
+        assert layer0
+        for k in layer0:
+            h = arrays[k].shape[1]
+            assert want_arrays[k].shape[1] == N * h, k
+            assert np.array_equal(arrays[k], want_arrays[k][:, r * h : (r + 1) * h]), (r, k)
+    if mode == "pp":
+        # Every layer on exactly one rank, each rank's cache holding its layers only.
+        held = [set(res[name]["layer_nbytes"]) for res in ranks]
+        assert set.union(*held) == set(want["layer_nbytes"]) and sum(map(len, held)) == len(want["layer_nbytes"])
+        assert all(held), held
+        for res, layers in zip(ranks, held):
+            assert res[name]["nbytes"] == sum(want["layer_nbytes"][i] for i in layers)
+            for k, a in res["arrays"][name].items():
+                if k != "logits":
+                    assert k.split(".")[0] in layers, k
+                    assert np.array_equal(a, want_arrays[k]), k
+
+
+def test_failing_rank_ends_the_launch_with_an_error(tmp_path):
+    out, seconds = launch(tmp_path, "fail", timeout=FAIL_TIMEOUT_S)
+    assert "rank 1 fails on purpose" in out, out[-4000:]
+    # Rank 0 waits in a collective: it ends with the ring's error, or the launcher stops it.
+    assert "connection to a peer was lost" in out or "Node with rank 0" in out, out[-4000:]
+    assert not list(tmp_path.glob("rank*.json")), out[-4000:]
+    assert seconds < FAIL_TIMEOUT_S
