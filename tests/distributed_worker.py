@@ -46,6 +46,16 @@ CONFIGS = {
     "llama": dict(BASE, model_type="llama", rope_theta=10000.0),
     "qwen2": dict(BASE, model_type="qwen2", rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(BASE, model_type="qwen3", head_dim=32, rope_theta=1000000.0),
+    # Layers 0, 1, 3, 4 slide over 8 positions (FP16 rings); 2 and 5 are global.
+    "gemma3_text": dict(
+        BASE,
+        model_type="gemma3_text",
+        num_hidden_layers=6,
+        head_dim=32,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=32,
+    ),
 }
 # (mode, family, preset)
 CASES = [
@@ -54,9 +64,11 @@ CASES = [
     ("tp", "llama", "k8v4"),
     ("tp", "qwen2", "tq4"),
     ("tp", "qwen3", "k8v4"),
+    ("tp", "gemma3_text", "tq4"),
     ("pp", "llama", "fp16"),
     ("pp", "llama", "tq4"),
     ("pp", "qwen3", "k8v4"),
+    ("pp", "gemma3_text", "k8v4"),
     ("mlx_lm", "llama", "tq4"),
     ("mlx_lm", "llama", "k8v4"),
 ]
@@ -89,7 +101,9 @@ def prompt_tokens() -> mx.array:
     return mx.array(np.random.default_rng(3).integers(0, 128, size=(1, PROMPT)))
 
 
-def greedy(model: nn.Module, kv: str, mlx_lm: bool = False, after_prefill=None) -> tuple[list[int], mx.array, object]:
+def greedy(
+    model: nn.Module, kv: str, mlx_lm: bool = False, after_prefill=None
+) -> tuple[list[int], mx.array, object]:
     """NEW_TOKENS greedy tokens after the prompt; returns (tokens, the logits they were picked
     from (NEW_TOKENS, vocab), cache)."""
     x = prompt_tokens()

@@ -9,6 +9,9 @@ layer 0 of a tensor-parallel rank is the single process's slice of its heads bit
 (codes, norms, FP16 window, key mean: the rank's heads use the rotations and codebooks of the
 single process), and a pipeline stage's layers are the single process's bit for bit. A
 second launch, in which rank 1 fails mid-generation, must end with an error inside a timeout.
+
+The checks that need no second rank (heads that do not divide, a stage's cache, families
+that cannot shard) run in this process with a stand-in group.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import distributed_worker as worker
+import turbospark_mlx as ts
+from families import CONFIGS as FAMILY_CONFIGS
+from turbospark_mlx.models import get_model_classes
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -41,7 +48,7 @@ def _launcher() -> str | None:
 
 
 LAUNCH = _launcher()
-pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (it comes with mlx)")
+needs_launch = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed (it comes with mlx)")
 
 
 def _free_port_pair() -> int:
@@ -111,6 +118,7 @@ def single_process(mode: str, family: str, kv: str) -> tuple[dict, dict]:
     return {"tokens": tokens, "nbytes": nbytes, "layer_nbytes": layers}, arrays
 
 
+@needs_launch
 @pytest.mark.parametrize("case", worker.CASES, ids=[worker.case_name(*c) for c in worker.CASES])
 def test_ranks_match_single_process(ranks, case):
     mode, family, kv = case
@@ -137,7 +145,8 @@ def test_ranks_match_single_process(ranks, case):
     if mode == "pp":
         # Every layer on exactly one rank, each rank's cache holding its layers only.
         held = [set(res[name]["layer_nbytes"]) for res in ranks]
-        assert set.union(*held) == set(want["layer_nbytes"]) and sum(map(len, held)) == len(want["layer_nbytes"])
+        assert set.union(*held) == set(want["layer_nbytes"])
+        assert sum(map(len, held)) == len(want["layer_nbytes"])
         assert all(held), held
         for res, layers in zip(ranks, held):
             assert res[name]["nbytes"] == sum(want["layer_nbytes"][i] for i in layers)
@@ -147,6 +156,7 @@ def test_ranks_match_single_process(ranks, case):
                     assert np.array_equal(a, want_arrays[k]), k
 
 
+@needs_launch
 def test_failing_rank_ends_the_launch_with_an_error(tmp_path):
     out, seconds = launch(tmp_path, "fail", timeout=FAIL_TIMEOUT_S)
     assert "rank 1 fails on purpose" in out, out[-4000:]
@@ -154,3 +164,86 @@ def test_failing_rank_ends_the_launch_with_an_error(tmp_path):
     assert "connection to a peer was lost" in out or "Node with rank 0" in out, out[-4000:]
     assert not list(tmp_path.glob("rank*.json")), out[-4000:]
     assert seconds < FAIL_TIMEOUT_S
+
+
+# -- in this process ---------------------------------------------------------
+
+
+class StandInGroup:
+    """An N-rank group as far as `shard`'s checks and `pipeline`'s split read it (size, rank);
+    nothing here runs a collective."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize(
+    "family, size, named",
+    [
+        ("llama", 3, "num_attention_heads=4, num_key_value_heads=2"),
+        ("qwen3", 4, "num_key_value_heads=2"),
+        ("gemma3_text", 4, "num_key_value_heads=2"),
+    ],
+)
+def test_shard_names_the_sizes_that_do_not_divide(family, size, named):
+    model = worker.build(family)
+    before = model.kv_layer_specs()
+    with pytest.raises(ValueError, match=f"{family}: cannot shard over {size} ranks: {named} not divisible"):
+        model.shard(StandInGroup(size))
+    assert model.kv_layer_specs() == before  # nothing was split
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "muse_glimmer"])
+def test_families_without_parallelism_say_so(family):
+    Model, Args = get_model_classes(FAMILY_CONFIGS[family]["model_type"])
+    model = Model(Args.from_dict(FAMILY_CONFIGS[family]))
+    for split in (lambda: model.shard(StandInGroup(2)), lambda: model.pipeline(StandInGroup(2))):
+        with pytest.raises(ValueError, match=f"{family}: tensor and pipeline parallelism are not implemented"):
+            split()
+
+
+def test_pipeline_stage_cache_holds_its_layers_only(tmp_path):
+    """Of 3 layers on 2 ranks, rank 0 keeps the last 2 (a low rank gets the extra one) and rank 1
+    the first; a stage's cache holds, saves and loads only its layers."""
+    model = worker.build("llama")
+    model.pipeline(StandInGroup(2, rank=0))
+    assert [l is None for l in model.layers] == [True, False, False]
+    cache = ts.make_cache(model, kv="tq4")
+    assert cache.held_layers == [1, 2] and cache.n_layers == 3
+    with pytest.raises(ValueError, match="layer 0 is held by another pipeline stage"):
+        cache.layer_offset(0)
+    k = mx.random.normal((1, 2, 5, 16)).astype(mx.float16)
+    with pytest.raises(ValueError, match="layer 0 is held by another pipeline stage"):
+        ts.store_kv(cache, 0, 0, k, k)
+    for i in (1, 2):
+        ts.store_kv(cache, i, 0, k, k)
+    assert cache.offset == 5
+    # The stage's layers are compressed as in the whole model: same tables per layer index.
+    whole = ts.make_cache(worker.build("llama"), kv="tq4")
+    for i in (1, 2):
+        assert cache.layer_quant(i).k.fingerprint() == whole.layer_quant(i).k.fingerprint()
+    assert cache.layer_quant(1).k.fingerprint() != cache.layer_quant(2).k.fingerprint()
+    loaded = ts.KVCacheManager.from_file(cache.save(str(tmp_path / "stage.safetensors")))
+    assert loaded.held_layers == [1, 2] and loaded.offset == 5 and loaded.nbytes == cache.nbytes
+
+    other = worker.build("llama")
+    other.pipeline(StandInGroup(2, rank=1))
+    assert ts.make_cache(other, kv="tq4").held_layers == [0]
+
+
+def test_pipeline_split_errors():
+    with pytest.raises(ValueError, match="cannot split 3 layers over 4 pipeline stages"):
+        worker.build("llama").pipeline(StandInGroup(4))
+    with pytest.raises(ValueError, match=r"split \[3, 0\] must give each of 2 ranks"):
+        worker.build("llama").pipeline(StandInGroup(2), split=[3, 0])
+    model = worker.build("llama")
+    model.pipeline(StandInGroup(2), split=[1, 2])  # rank 0: 1 layer, the last
+    assert [l is None for l in model.layers] == [True, True, False]
+    with pytest.raises(ValueError, match="already split"):
+        model.pipeline(StandInGroup(2))

@@ -221,7 +221,8 @@ class KVCacheManager:
         if self.specs[layer] is None:
             held = self.held_layers
             raise ValueError(
-                f"layer {layer} is held by another pipeline stage; this cache holds layers {held[0]}..{held[-1]}"
+                f"layer {layer} is held by another pipeline stage; "
+                f"this cache holds layers {held[0]}..{held[-1]}"
             )
         src = self.specs[layer].shared_from
         return layer if src is None else src

@@ -87,7 +87,7 @@ def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes:
 
 def not_shardable(family: str, why: str) -> ValueError:
     """The error of a family whose `shard` or `pipeline` is not implemented, naming it and why."""
-    return ValueError(f"{family}: tensor and pipeline parallelism are not implemented for this family ({why})")
+    return ValueError(f"{family}: tensor and pipeline parallelism are not implemented for this family: {why}")
 
 
 class PipelineMixin:
@@ -122,7 +122,7 @@ class PipelineMixin:
             base, extra = divmod(n, N)
             split = [base + (1 if i < extra else 0) for i in range(N)]
         if len(split) != N or any(s <= 0 for s in split) or sum(split) != n:
-            raise ValueError(f"split {list(split)} must give each of {N} ranks at least one of the {n} layers")
+            raise ValueError(f"split {list(split)} must give each of {N} ranks some of the {n} layers")
         self.start_idx = sum(split[r + 1 :])
         self.end_idx = self.start_idx + split[r]
         self.layers = [l if self.start_idx <= i < self.end_idx else None for i, l in enumerate(self.layers)]

@@ -199,9 +199,8 @@ class Model(nn.Module):
     def kv_layer_specs(self) -> list[LayerSpec]:
         # Heads as the modules hold them (1/N after `shard`); None: another pipeline stage's layer.
         a = self.args
+        windows = [a.sliding_window if t == "sliding_attention" else None for t in a.layer_types]
         return [
-            None
-            if l is None
-            else LayerSpec(l.self_attn.n_kv_heads, a.head_dim, window=a.sliding_window if l.use_sliding else None)
-            for l in self.layers
+            None if l is None else LayerSpec(l.self_attn.n_kv_heads, a.head_dim, window=w)
+            for l, w in zip(self.layers, windows)
         ]

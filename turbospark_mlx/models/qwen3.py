@@ -189,4 +189,5 @@ class Model(nn.Module):
 
     def kv_layer_specs(self) -> list[LayerSpec]:
         # Heads as the modules hold them (1/N after `shard`); None: another pipeline stage's layer.
-        return [None if l is None else LayerSpec(l.self_attn.n_kv_heads, self.args.head_dim) for l in self.layers]
+        D = self.args.head_dim
+        return [None if l is None else LayerSpec(l.self_attn.n_kv_heads, D) for l in self.layers]
