@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,6 +34,8 @@ import pytest
 import distributed_worker as worker
 import turbospark_mlx as ts
 from families import CONFIGS as FAMILY_CONFIGS
+from test_loading import CONFIG as LOADING_CONFIG
+from test_loading import WORDS, random_model, write_hf_dir
 from turbospark_mlx.models import get_model_classes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,24 +70,30 @@ def _free_port_pair() -> int:
 
 
 def launch(out_dir: Path, *args: str, timeout: float) -> tuple[str, float]:
-    """Run the worker on N ranks; returns (its stdout + stderr, seconds). A launch still running
-    after `timeout` seconds is killed (the launcher and its ranks) and fails the test."""
-    env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference")
+    """Run the worker on N ranks; returns (its stdout + stderr, seconds)."""
+    out, err, seconds = launch_command([str(WORKER), str(out_dir), *args], timeout=timeout)
+    return out + err, seconds
+
+
+def launch_command(command: list[str], timeout: float) -> tuple[str, str, float]:
+    """`mlx.launch` a Python command line on N ranks; returns (stdout, stderr, seconds). A launch
+    still running after `timeout` seconds is killed (the launcher and its ranks) and fails the test."""
+    env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference", OMP_NUM_THREADS="1")
     # The ranks import the package from this checkout, as this process does.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     cmd = [LAUNCH, "-n", str(N), "--backend", "ring", "--starting-port", str(_free_port_pair())]
-    cmd += ["--python", sys.executable, str(WORKER), str(out_dir), *args]
+    cmd += ["--python", sys.executable, "--", *command]
     tic = time.monotonic()
     p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     try:
-        out, _ = p.communicate(timeout=timeout)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"the {N}-rank launch still ran after {timeout} s (a hang); output:\n{out[-4000:]}")
-    return out, time.monotonic() - tic
+        out, err = p.communicate()
+        pytest.fail(f"the {N}-rank launch still ran after {timeout} s (a hang); output:\n{(out + err)[-4000:]}")
+    return out, err, time.monotonic() - tic
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +173,41 @@ def test_failing_rank_ends_the_launch_with_an_error(tmp_path):
     assert "connection to a peer was lost" in out or "Node with rank 0" in out, out[-4000:]
     assert not list(tmp_path.glob("rank*.json")), out[-4000:]
     assert seconds < FAIL_TIMEOUT_S
+
+
+CLI_CONFIG = dict(LOADING_CONFIG, num_hidden_layers=3, max_position_embeddings=512)
+
+
+@needs_launch
+@pytest.mark.parametrize("flags", [[], ["--pipeline"]], ids=["tensor", "pipeline"])
+def test_cli_generate_under_mlx_launch(tmp_path, capsys, flags):
+    """`mlx.launch ... -m turbospark_mlx generate` on an HF directory: rank 0 prints the text one
+    process prints, every rank its stats line with its own KV bytes (half of one process's)."""
+    from turbospark_mlx import cli
+
+    model_dir = write_hf_dir(tmp_path / "model", random_model(CLI_CONFIG), config=CLI_CONFIG)
+    words = np.random.default_rng(5).integers(3, len(WORDS), size=150)
+    args = ["generate", "--model", str(model_dir), "-p", " ".join(WORDS[w] for w in words)]
+    args += ["-m", "8", "--kv", "tq4", "--ignore-chat-template"]
+    assert cli.main(args) == 0
+    want_out, want_err = capsys.readouterr()
+    out, err, _ = launch_command(["-m", "turbospark_mlx", *args, *flags], timeout=TIMEOUT_S)
+    assert out.strip() == want_out.strip() and out.strip(), (out, err[-4000:])
+    want_kv = re.search(r"KV cache \(tq4, allocated\): ([0-9.]+) MiB", want_err)
+    stats = re.findall(r"\[rank (\d)/2\] .*KV cache \(tq4, allocated\): ([0-9.]+) MiB", err)
+    assert sorted(r for r, _ in stats) == ["0", "1"], err[-4000:]
+    # 3 layers on 2 ranks: a pipeline stage holds 2 or 1 of them; tensor parallel half of each
+    # (the line prints MiB to 2 decimals; the exact bytes are test_ranks_match_single_process's).
+    got = sorted(float(kv) for _, kv in stats)
+    want = sorted(f * float(want_kv.group(1)) for f in ([1 / 3, 2 / 3] if flags else [1 / 2, 1 / 2]))
+    assert got == pytest.approx(want, abs=0.011), (got, want, err[-4000:])
+
+
+def test_pipeline_flag_needs_mlx_launch(capsys):
+    from turbospark_mlx import cli
+
+    assert cli.main(["generate", "--model", "unused", "-p", "w1", "--pipeline"]) == 2
+    assert "--pipeline splits the model over several ranks: run under mlx.launch" in capsys.readouterr().err
 
 
 # -- in this process ---------------------------------------------------------

@@ -109,16 +109,29 @@ def _read_prompt(prompt: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def _launched_group():
+    """The world group when this process is one rank of several (started by mlx.launch), else None."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .generate import stream_generate
     from .loading import load
 
     _check_generate_args(args)
+    group = _launched_group()
+    if args.pipeline and group is None:
+        raise _ArgError("--pipeline splits the model over several ranks: run under mlx.launch")
+    rank = 0 if group is None else group.rank()
     prompt = _read_prompt(args.prompt)
     model_path = args.model or str(default_model_path())
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and rank == 0:
         print(f"loading {model_path}", file=sys.stderr, flush=True)
-    model, tokenizer = load(model_path)
+    # Under mlx.launch every rank loads its share and runs the same loop; rank 0 prints the text.
+    model, tokenizer = load(model_path, group=group, pipeline=args.pipeline)
     chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if args.system_prompt is not None and not chat:
         raise _ArgError("--system-prompt needs the model's chat template (this model has none, or "
@@ -135,12 +148,19 @@ def _generate(args: argparse.Namespace) -> int:
             progress=_Progress(),
             **_sampling(args),
         ):
-            print(last.text, end="", flush=True)
+            if rank == 0:
+                print(last.text, end="", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and say so, without a traceback
         interrupted = True
-    print(flush=True)  # the text's line ends before the stats reach stderr
+    if rank == 0:
+        print(flush=True)  # the text's line ends before the stats reach stderr
     if args.verbose and last is not None:
-        print(("[interrupted] " if interrupted else "") + last.stats_line(), file=sys.stderr)
+        tag = "" if group is None else f"[rank {rank}/{group.size()}] "  # each rank's own KV bytes
+        print(tag + ("[interrupted] " if interrupted else "") + last.stats_line(), file=sys.stderr)
+    if group is not None:  # every rank leaves together: a rank that exits early breaks the others' ring
+        import mlx.core as mx
+
+        mx.eval(mx.distributed.all_sum(mx.array(0), group=group))
     return 130 if interrupted else 0
 
 
@@ -153,6 +173,8 @@ def _chat(args: argparse.Namespace) -> int:
     from .loading import load
 
     _check_generate_args(args)
+    if _launched_group() is not None:
+        raise _ArgError("chat runs in one process; under mlx.launch use `generate`")
     model_path = args.model or str(default_model_path())
     model, tokenizer = load(model_path)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -408,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("-p", "--prompt", default=DEFAULT_PROMPT, help="prompt text; '-' reads stdin (default %(default)r)")
     g.add_argument("--ignore-chat-template", action="store_true", help="send the prompt as raw text")
+    g.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: split the layers over the ranks (default: split every layer's heads)",
+    )
     g.set_defaults(func=_generate)
     c = sub.add_parser(
         "chat",

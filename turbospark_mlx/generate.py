@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCacheManager, make_cache
+from .models.base import parallel_group
 from .quant.config import DEFAULT_PRESET, TurboQuantConfig
 
 DEFAULT_KV = DEFAULT_PRESET
@@ -190,6 +191,9 @@ def stream_generate(
     # mlx_lm's package import pulls in transformers: only when generating.
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+    group = parallel_group(model)
+    if group is not None:
+        seed = _shared_seed(seed, group)
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -270,15 +274,29 @@ def stream_generate(
         history, y = after, ahead
 
 
+def _shared_seed(seed: int | None, group: mx.distributed.Group) -> int:
+    """Rank 0's seed (drawn from the clock if None) on every rank of a split model, so that
+    sampling from the same logits picks the same token everywhere."""
+    mine = (time.time_ns() % 2**31 if seed is None else seed) if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group).item())
+
+
 def generate(
     model: nn.Module, tokenizer, prompt: str | Sequence[int], *, verbose: bool = False, **kwargs
 ) -> str:
-    """The generated text for `prompt`; kwargs as `stream_generate`. verbose prints it and the stats."""
+    """The generated text for `prompt`; kwargs as `stream_generate`. verbose prints it and the stats.
+
+    On a model split over a group (`shard`, `pipeline`) every rank calls this and gets the text;
+    verbose prints the text on rank 0 and each rank's stats line (its own KV bytes), tagged.
+    """
+    group = parallel_group(model)
+    rank = 0 if group is None else group.rank()
     text, last = "", None
     for last in stream_generate(model, tokenizer, prompt, **kwargs):
         text += last.text
-        if verbose:
+        if verbose and rank == 0:
             print(last.text, end="", flush=True)
     if verbose and last is not None:
-        print("\n" + last.stats_line())
+        tag = "" if group is None else f"[rank {rank}/{group.size()}] "
+        print(("\n" if rank == 0 else "") + tag + last.stats_line(), flush=True)
     return text

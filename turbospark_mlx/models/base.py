@@ -85,6 +85,15 @@ def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes:
     return group
 
 
+def parallel_group(model) -> mx.distributed.Group | None:
+    """The group `model` is split over by `shard` or `pipeline`, or None for a whole model."""
+    for _, m in model.named_modules():
+        group = getattr(m, "tensor_group", None) or getattr(m, "pipeline_group", None)
+        if group is not None:
+            return group
+    return None
+
+
 def not_shardable(family: str, why: str) -> ValueError:
     """The error of a family whose `shard` or `pipeline` is not implemented, naming it and why."""
     return ValueError(f"{family}: tensor and pipeline parallelism are not implemented for this family: {why}")
