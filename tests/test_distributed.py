@@ -240,7 +240,7 @@ def test_shard_names_the_sizes_that_do_not_divide(family, size, named):
     before = model.kv_layer_specs()
     with pytest.raises(ValueError, match=f"{family}: cannot shard over {size} ranks: {named} not divisible"):
         model.shard(StandInGroup(size))
-    assert model.kv_layer_specs() == before  # nothing was split
+    assert model.kv_layer_specs() == before  # the refused shard split nothing
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "gpt_oss", "muse_glimmer"])
@@ -291,3 +291,26 @@ def test_pipeline_split_errors():
     assert [l is None for l in model.layers] == [True, True, False]
     with pytest.raises(ValueError, match="already split"):
         model.pipeline(StandInGroup(2))
+
+
+def test_load_pipeline_stage_reads_only_its_layers(tmp_path):
+    """ts.load(group=, pipeline=True) splits before evaluating: the other stages' tensors are
+    never read, so a stage of 2 of 8 layers peaks far below the whole model."""
+    config = dict(LOADING_CONFIG, hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
+    path = write_hf_dir(tmp_path / "model", random_model(config), config=config)
+
+    def peak(**kwargs) -> int:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        model, _ = ts.load(str(path), **kwargs)
+        used = mx.get_peak_memory() - base
+        assert sum(l is not None for l in model.layers) == (2 if kwargs else 8)
+        return used
+
+    whole = peak()
+    stage = peak(group=StandInGroup(4, rank=1), pipeline=True)
+    # 2 of 8 layers plus the embeddings and head (here about 1/8 of the weights).
+    assert stage < 0.4 * whole, (stage, whole)
+    with pytest.raises(ValueError, match="pipeline=True needs a group"):
+        ts.load(str(path), pipeline=True)
