@@ -118,17 +118,34 @@ def _read_prompt(prompt: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
+def _launched_group():
+    """The world group when this process is one rank of several (started by mlx.launch), else None."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .generate import stream_generate
     from .loading import load
 
     _check_generate_args(args)
+    group = _launched_group()
+    if args.pipeline and group is None:
+        raise _ArgError("--pipeline splits the model over several ranks: run under mlx.launch")
+    rank = 0 if group is None else group.rank()
+    if group is not None:
+        for flag in ("prompt_cache_file", "draft_model"):
+            if getattr(args, flag) is not None:
+                raise _ArgError(f"--{flag.replace('_', '-')} runs in one process, not under mlx.launch")
     prompt = _read_prompt(args.prompt)
     cache, meta = (None, {}) if args.prompt_cache_file is None else _read_prompt_cache(args)
     model_path = args.model or meta.get("model") or str(default_model_path())
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and rank == 0:
         print(f"loading {model_path}", file=sys.stderr, flush=True)
-    model, tokenizer = load(model_path)
+    # Under mlx.launch every rank loads its share and runs the same loop; rank 0 prints the text.
+    model, tokenizer = load(model_path, group=group, pipeline=args.pipeline)
     chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if args.system_prompt is not None and not chat:
         raise _ArgError("--system-prompt needs the model's chat template (this model has none, or "
@@ -156,14 +173,21 @@ def _generate(args: argparse.Namespace) -> int:
             num_draft_tokens=args.num_draft_tokens,
             **_sampling(args),
         ):
-            print(last.text, end="", flush=True)
+            if rank == 0:
+                print(last.text, end="", flush=True)
             accepted += last.from_draft
     except KeyboardInterrupt:  # Ctrl-C: keep what was generated and say so, without a traceback
         interrupted = True
-    print(flush=True)  # the text's line ends before the stats reach stderr
+    if rank == 0:
+        print(flush=True)  # the text's line ends before the stats reach stderr
     if args.verbose and last is not None:
+        tag = "" if group is None else f"[rank {rank}/{group.size()}] "  # each rank's own KV bytes
         drafted = f" | draft tokens accepted: {accepted}/{last.generation_tokens}" if draft is not None else ""
-        print(("[interrupted] " if interrupted else "") + last.stats_line() + drafted, file=sys.stderr)
+        print(tag + ("[interrupted] " if interrupted else "") + last.stats_line() + drafted, file=sys.stderr)
+    if group is not None:  # every rank leaves together: a rank that exits early breaks the others' ring
+        import mlx.core as mx
+
+        mx.eval(mx.distributed.all_sum(mx.array(0), group=group))
     return 130 if interrupted else 0
 
 
@@ -255,6 +279,8 @@ def _chat(args: argparse.Namespace) -> int:
     from .loading import load
 
     _check_generate_args(args)
+    if _launched_group() is not None:
+        raise _ArgError("chat runs in one process; under mlx.launch use `generate`")
     model_path = args.model or str(default_model_path())
     model, tokenizer = load(model_path)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -312,6 +338,8 @@ def _server(args: argparse.Namespace) -> int:
     from .server import Engine, Server
 
     _check_kv(args)
+    if _launched_group() is not None:
+        raise _ArgError("server runs in one process; under mlx.launch use `generate`")
     checks = [
         ("--port", 0 <= args.port <= 65535, "must be in [0, 65535]"),
         ("--max-tokens", args.max_tokens >= 1, "must be >= 1"),
@@ -556,6 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--draft-model", help="a smaller model with the same vocabulary for speculative decoding")
     g.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens per step (default %(default)s)")
+    g.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: split the layers over the ranks (default: split every layer's heads)",
+    )
     g.set_defaults(func=_generate)
     cp = sub.add_parser(
         "cache-prompt",

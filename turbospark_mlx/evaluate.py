@@ -79,7 +79,7 @@ def check_sizes(context: int, predictions: int | None, passkey_depths: int, pref
 
 
 def _cache_arrays(cache: KVCacheManager) -> list[mx.array]:
-    return [a for i in range(cache.n_layers) for a in cache.layer_arrays(i).values()]
+    return [a for l in cache.owned_layers().values() for a in l.arrays.values()]
 
 
 def scored_logprobs(

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCacheManager, make_cache
+from .models.base import parallel_group
 from .quant.config import DEFAULT_PRESET, TurboQuantConfig
 
 DEFAULT_KV = DEFAULT_PRESET
@@ -118,9 +119,9 @@ def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _eval_cache(cache: KVCacheManager) -> None:
+def eval_cache(cache: KVCacheManager) -> None:
     """Evaluate the cache's storage so a long prefill does not build one huge lazy graph."""
-    arrays = [a for i in range(cache.n_layers) for a in cache.layer_arrays(i).values()]
+    arrays = [a for l in cache.owned_layers().values() for a in l.arrays.values()]
     mx.eval(arrays)
 
 
@@ -145,7 +146,7 @@ def prefill(
         chunk = tokens[:, start : start + step]
         logits = model(chunk, cache=cache)
         if start + step < n:
-            _eval_cache(cache)  # the logits of inner chunks are never needed, so never computed
+            eval_cache(cache)  # the logits of inner chunks are never needed, so never computed
         else:
             logits = logits[:, -1, :]
             mx.eval(logits)
@@ -297,6 +298,9 @@ def stream_generate(
         )
     if cache is None:
         cache = make_cache(model, kv=kv, max_rows=prefill_step_size, max_context=context)
+    group = parallel_group(model)
+    if group is not None:
+        seed = _shared_seed(seed, group)
     if seed is not None:
         mx.random.seed(seed)
     pick = token_picker(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size)
@@ -410,15 +414,29 @@ def _speculative_tokens(
             cache.trim(excess)
 
 
+def _shared_seed(seed: int | None, group: mx.distributed.Group) -> int:
+    """Rank 0's seed (drawn from the clock if None) on every rank of a split model, so that
+    sampling from the same logits picks the same token everywhere."""
+    mine = (time.time_ns() % 2**31 if seed is None else seed) if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group).item())
+
+
 def generate(
     model: nn.Module, tokenizer, prompt: str | Sequence[int], *, verbose: bool = False, **kwargs
 ) -> str:
-    """The generated text for `prompt`; kwargs as `stream_generate`. verbose prints it and the stats."""
+    """The generated text for `prompt`; kwargs as `stream_generate`. verbose prints it and the stats.
+
+    On a model split over a group (`shard`, `pipeline`) every rank calls this and gets the text;
+    verbose prints the text on rank 0 and each rank's stats line (its own KV bytes), tagged.
+    """
+    group = parallel_group(model)
+    rank = 0 if group is None else group.rank()
     text, last = "", None
     for last in stream_generate(model, tokenizer, prompt, **kwargs):
         text += last.text
-        if verbose:
+        if verbose and rank == 0:
             print(last.text, end="", flush=True)
     if verbose and last is not None:
-        print("\n" + last.stats_line())
+        tag = "" if group is None else f"[rank {rank}/{group.size()}] "
+        print(("\n" if rank == 0 else "") + tag + last.stats_line(), flush=True)
     return text

@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from .cache import KVCacheManager, make_cache
 from .cache.batch import SequenceBatch
-from .generate import DEFAULT_KV, TextStream, encode_messages, model_max_context, token_picker
+from .generate import DEFAULT_KV, TextStream, encode_messages, eval_cache, model_max_context, token_picker
 from .quant.config import TurboQuantConfig
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this is refused (413)
@@ -232,7 +232,7 @@ class Engine:
         logits = self.model(r.history[None, r.prefilled : end], cache=r.cache)
         r.prefilled = end
         if end < len(r.ids):
-            mx.eval([a for i in range(r.cache.n_layers) for a in r.cache.layer_arrays(i).values()])
+            eval_cache(r.cache)
             return False
         r.next_token = r.pick(r.history, logits[:, -1, :])
         mx.eval(r.next_token)

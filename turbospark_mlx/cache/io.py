@@ -38,7 +38,7 @@ def _meta(cache) -> dict[str, str]:
     return {
         "format": FILE_FORMAT,
         "config": cache.config.to_json(),
-        "layers": json.dumps([asdict(s) for s in cache.specs]),
+        "layers": json.dumps([None if s is None else asdict(s) for s in cache.specs]),
         "batch_size": str(cache.batch_size),
         "max_rows": str(cache.max_rows),
         "max_context": json.dumps(cache.max_context),
@@ -113,7 +113,7 @@ def load(path: str, cls: type, return_metadata: bool = False):
         raise ValueError(f"KV cache file {path!r} is corrupted: its digest does not match its contents")
     try:
         cache = cls(
-            [LayerSpec(**s) for s in json.loads(meta["layers"])],
+            [None if s is None else LayerSpec(**s) for s in json.loads(meta["layers"])],
             TurboQuantConfig.from_json(meta["config"]),
             batch_size=int(meta["batch_size"]),
             max_rows=int(meta["max_rows"]),

@@ -17,7 +17,8 @@ Write path:
 
 Layers are FP16 (growing), FP16 rings (sliding window; never quantized), or
 TurboQuant (packed codes + float32 norms, growing). A layer can also read
-another layer's KV (`LayerSpec.shared_from`) and then owns no storage.
+another layer's KV (`LayerSpec.shared_from`) and then owns no storage, or be
+held by another pipeline stage (its spec is None) and have no place here at all.
 Storage grows in steps like mlx-lm's KVCache, so a token does not reallocate.
 """
 
@@ -99,7 +100,10 @@ class KVCacheManager:
     """Per-layer KV storage: FP16, FP16 ring, or TurboQuant-packed.
 
     Args:
-        layers: one `LayerSpec` per attention layer.
+        layers: one `LayerSpec` per attention layer of the model; None for a layer that
+            another pipeline stage holds. Indices, the preset's layer policy and the
+            per-layer rotations stay those of the whole model, so a stage's layers are
+            compressed exactly as in one process.
         kv: a preset name from `PRESETS` or a `TurboQuantConfig`.
         batch_size: B, the number of sequences.
         max_rows: the largest M-row write (prefill chunk, speculative verify);
@@ -123,7 +127,7 @@ class KVCacheManager:
         self.config = get_preset(kv)
         warn_quality(self.config)
         self.specs = tuple(layers)
-        if not self.specs:
+        if not any(s is not None for s in self.specs):
             raise ValueError("a KV cache needs at least one layer")
         if batch_size < 1 or max_rows < 1 or step < 1:
             raise ValueError(
@@ -140,6 +144,8 @@ class KVCacheManager:
         self._layers: dict[int, _Layer] = {}
         n = len(self.specs)
         for i, spec in enumerate(self.specs):
+            if spec is None:  # held by another pipeline stage
+                continue
             self._check_spec(i, spec)
             if spec.shared_from is not None:
                 # The owner's compression applies; a policy naming the reader would be a silent no-op.
@@ -172,9 +178,14 @@ class KVCacheManager:
             raise ValueError(f"layer {i}: window must be >= 1, got {spec.window}")
         src = spec.shared_from
         if src is not None:
-            if not 0 <= src < i or self.specs[src].shared_from is not None:
+            if not 0 <= src < i or (self.specs[src] is not None and self.specs[src].shared_from is not None):
                 raise ValueError(
                     f"layer {i} shares layer {src}'s KV: the owner must be an earlier layer that owns storage"
+                )
+            if self.specs[src] is None:
+                raise ValueError(
+                    f"layer {i} shares layer {src}'s KV, which this cache does not hold: "
+                    "a pipeline stage must hold a KV-shared layer together with its owner"
                 )
             owner = self.specs[src]
             if (owner.n_kv_heads, owner.head_dim, owner.window) != (spec.n_kv_heads, spec.head_dim, spec.window):
@@ -198,10 +209,21 @@ class KVCacheManager:
     def n_layers(self) -> int:
         return len(self.specs)
 
+    @property
+    def held_layers(self) -> list[int]:
+        """Indices of the layers this cache holds (all of them unless it is a pipeline stage's)."""
+        return [i for i, s in enumerate(self.specs) if s is not None]
+
     def owner(self, layer: int) -> int:
         """The layer whose storage `layer` reads (itself unless KV-shared)."""
         if not 0 <= layer < self.n_layers:
             raise IndexError(f"layer {layer} out of range for a {self.n_layers}-layer cache")
+        if self.specs[layer] is None:
+            held = self.held_layers
+            raise ValueError(
+                f"layer {layer} is held by another pipeline stage; "
+                f"this cache holds layers {held[0]}..{held[-1]}"
+            )
         src = self.specs[layer].shared_from
         return layer if src is None else src
 
@@ -236,6 +258,13 @@ class KVCacheManager:
     def layer_arrays(self, layer: int) -> dict[str, mx.array]:
         """The storage arrays of `layer` (keys/values, or k_codes/k_norms/v_codes/v_norms)."""
         return self._layer(layer).arrays
+
+    def depends_on(self, x: mx.array) -> None:
+        """Make the storage of the last layer held here depend on `x`, so evaluating the cache
+        evaluates `x` too: a pipeline stage passes its send of the activations, which a
+        prefill that evaluates only the cache must still run (the next stage waits for it)."""
+        l = self._layers[max(self._layers)]
+        l.arrays = {name: mx.depends(a, x) for name, a in l.arrays.items()}
 
     # -- positions ----------------------------------------------------------
 
@@ -304,6 +333,8 @@ class KVCacheManager:
         lines = [f"KV cache  preset={self.config.name}  B={self.batch_size}  offset={self.offset}"]
         lines.append(f"{'layer':>5}  {'kind':<22} {'heads':>5} {'dim':>4} {'offset':>7} {'bytes':>12}")
         for i, spec in enumerate(self.specs):
+            if spec is None:
+                continue
             if spec.shared_from is not None:
                 kind, nbytes, off = f"shared -> {spec.shared_from}", 0, self.layer_offset(i)
             else:
@@ -326,6 +357,7 @@ class KVCacheManager:
 
     def _check_rows(self, layer: int, position: int, rows: mx.array) -> _Layer:
         """Validate an M-row write; raises before anything is changed."""
+        self.owner(layer)  # in range and held here
         if self.specs[layer].shared_from is not None:
             raise ValueError(
                 f"layer {layer} reads layer {self.specs[layer].shared_from}'s KV and owns no storage; "
@@ -490,7 +522,7 @@ class KVCacheManager:
         prompt-cache files, batch merge / filter). Everything is checked before
         anything changes; `arrays` = {} with offset 0 empties the layer.
         """
-        if not 0 <= layer < self.n_layers or self.specs[layer].shared_from is not None:
+        if not 0 <= layer < self.n_layers or layer not in self._layers:
             raise ValueError(f"layer {layer} does not own storage in this {self.n_layers}-layer cache")
         l = self._layers[layer]
         if l.ring_capacity is not None:

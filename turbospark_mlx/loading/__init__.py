@@ -25,6 +25,8 @@ def load(
     dtype: mx.Dtype | None = None,
     lazy: bool = False,
     dequantize: bool | None = None,
+    group: mx.distributed.Group | None = None,
+    pipeline: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Load (model, tokenizer) from a GGUF file, a local HF directory or an HF repo id.
 
@@ -40,12 +42,21 @@ def load(
             dense float weights. Default: on the CPU, when they take at most a quarter of
             the machine's memory as float32: MLX's CPU quantized matmul has no BLAS path
             (benchmarks/results/cpu_speed.md).
+        group: split the model over this `mx.distributed` group before any weight is read:
+            tensor parallel (`model.shard(group)`: 1/N of every layer's heads and MLP
+            columns), or with `pipeline=True` pipeline parallel (`model.pipeline(group)`:
+            this rank's run of layers; the other layers' tensors are never read from an HF
+            checkpoint). Every rank calls `load` with the same arguments.
+        pipeline: with `group`, split by layers instead of by heads.
     Returns:
         (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`.
     Raises:
         FileNotFoundError: a path, config, weight file or shard is missing.
-        ValueError: unsupported model type or GGUF architecture, or an unreadable file.
+        ValueError: unsupported model type or GGUF architecture, or an unreadable file; a
+            family that cannot be split, or heads that do not divide by the group size.
     """
+    if pipeline and group is None:
+        raise ValueError("pipeline=True needs a group to split the layers over")
     path = Path(path_or_repo).expanduser()
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
@@ -65,6 +76,11 @@ def load(
         from mlx_lm.utils import dequantize_model
 
         dequantize_model(model)
+    if group is not None:  # the weights are still unread: each rank reads only what it keeps
+        if pipeline:
+            model.pipeline(group)
+        else:
+            model.shard(group)
     if not lazy:
         mx.eval(model.parameters())
     return model, tokenizer

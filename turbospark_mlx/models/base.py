@@ -1,9 +1,11 @@
-"""Pieces every family file shares: config parsing and the cached-attention write path."""
+"""Pieces every family file shares: config parsing, the cached-attention write path, and the
+checks and stage plumbing of tensor and pipeline parallelism (docs/distributed.md)."""
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -76,3 +78,95 @@ def cache_for_call(model, cache: KVCacheManager | None, inputs: mx.array) -> KVC
         return cache
     B, L = inputs.shape[:2]
     return KVCacheManager(model.kv_layer_specs(), "fp16", batch_size=B, max_rows=L, step=L)
+
+
+def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes: int) -> mx.distributed.Group:
+    """The group a family's `shard` splits over, after checking that it can.
+
+    Tensor parallelism gives each rank whole heads and whole MLP columns, so every size
+    in `sizes` (heads, KV heads, intermediate size) must divide by the group size; a model
+    is sharded once. Raises ValueError naming the family and the sizes that do not divide.
+    """
+    group = group or mx.distributed.init()
+    N = group.size()
+    if getattr(model, "tensor_group", None) is not None:
+        raise ValueError(f"{family}: the model is already sharded over {model.tensor_group.size()} ranks")
+    bad = [f"{name}={n}" for name, n in sizes.items() if n % N]
+    if bad:
+        raise ValueError(
+            f"{family}: cannot shard over {N} ranks: {', '.join(bad)} not divisible by {N} "
+            "(each rank holds whole heads and whole MLP columns)"
+        )
+    model.tensor_group = group
+    return group
+
+
+def parallel_group(model) -> mx.distributed.Group | None:
+    """The group `model` is split over by `shard` or `pipeline`, or None for a whole model."""
+    for _, m in model.named_modules():
+        group = getattr(m, "tensor_group", None) or getattr(m, "pipeline_group", None)
+        if group is not None:
+            return group
+    return None
+
+
+def not_shardable(family: str, why: str) -> ValueError:
+    """The error of a family whose `shard` or `pipeline` is not implemented, naming it and why."""
+    return ValueError(f"{family}: tensor and pipeline parallelism are not implemented for this family: {why}")
+
+
+class PipelineMixin:
+    """Pipeline parallelism over `self.layers`, laid out as mlx-lm's (mlx_lm/models/pipeline.py).
+
+    `pipeline(group)` keeps a contiguous run of layers on each rank: the highest rank runs the
+    first layers and rank 0 the last ones. The others become None, so their weights are
+    never loaded and the rank's cache (built from `kv_layer_specs`) holds its layers only.
+    A forward pass receives the activations from rank + 1 (`stage_input`), runs its layers and
+    sends to rank - 1 (`stage_output`); an all_gather then gives every rank rank 0's output,
+    which is the model's, so every rank computes the same logits.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pipeline_group = None
+        self.start_idx = 0
+        self.end_idx = None
+
+    @property
+    def pipeline_layers(self) -> list:
+        return self.layers[self.start_idx : self.end_idx]
+
+    def pipeline(self, group: mx.distributed.Group, split: Sequence[int] | None = None) -> None:
+        """Keep this rank's layers: `split[r]` of them on rank r (default: even, low ranks get the extra)."""
+        if self.pipeline_group is not None:
+            raise ValueError(f"the model is already split over {self.pipeline_group.size()} pipeline stages")
+        n, N, r = len(self.layers), group.size(), group.rank()
+        if split is None:
+            if n < N:
+                raise ValueError(f"cannot split {n} layers over {N} pipeline stages")
+            base, extra = divmod(n, N)
+            split = [base + (1 if i < extra else 0) for i in range(N)]
+        if len(split) != N or any(s <= 0 for s in split) or sum(split) != n:
+            raise ValueError(f"split {list(split)} must give each of {N} ranks some of the {n} layers")
+        self.start_idx = sum(split[r + 1 :])
+        self.end_idx = self.start_idx + split[r]
+        self.layers = [l if self.start_idx <= i < self.end_idx else None for i, l in enumerate(self.layers)]
+        self.pipeline_group = group
+
+    def stage_input(self, h: mx.array) -> mx.array:
+        """The activations this stage starts from: received from rank + 1, unless it runs the first layers."""
+        g = self.pipeline_group
+        if g is None or g.rank() == g.size() - 1:
+            return h
+        return mx.distributed.recv_like(h, g.rank() + 1, group=g)
+
+    def stage_output(self, h: mx.array, cache: KVCacheManager) -> mx.array:
+        """The model's activations after the last layer, on every rank: this stage's output is
+        sent on to rank - 1, and the all_gather brings rank 0's (the last layers') to all."""
+        g = self.pipeline_group
+        if g is None or g.size() == 1:
+            return h
+        if g.rank() != 0:
+            h = mx.distributed.send(h, g.rank() - 1, group=g)
+            cache.depends_on(h)  # a prefill chunk evaluates only the cache; the next stage waits for h
+        return mx.distributed.all_gather(h, group=g)[: h.shape[0]]

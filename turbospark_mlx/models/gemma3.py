@@ -45,6 +45,14 @@ class Model(nn.Module):
         # mlx-lm's: drop vision_tower / multi_modal_projector, sanitize the language model.
         return _mlx_gemma3.Model.sanitize(self, weights)
 
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor parallel over `group`: the language model's `shard`."""
+        self.language_model.shard(group)
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        """Pipeline parallel over `group`: the language model's `pipeline`."""
+        self.language_model.pipeline(group, split)
+
     @property
     def max_context(self) -> int | None:
         return self.language_model.max_context

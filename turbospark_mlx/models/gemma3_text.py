@@ -18,11 +18,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.gemma3_text import MLP, RMSNorm, clip_residual
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention
+from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_group
 
 
 @dataclass
@@ -116,7 +117,7 @@ class TransformerBlock(nn.Module):
         return clip_residual(h, self.post_feedforward_layernorm(r))
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(PipelineMixin, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -130,9 +131,10 @@ class Gemma3Model(nn.Module):
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         # The sqrt(hidden) scale is rounded through bfloat16, as Gemma was trained.
         h *= mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-        for layer in self.layers:
+        h = self.stage_input(h)
+        for layer in self.pipeline_layers:
             h = layer(h, cache)
-        return self.norm(h)
+        return self.norm(self.stage_output(h, cache))
 
 
 class Model(nn.Module):
@@ -164,6 +166,37 @@ class Model(nn.Module):
                 self.pop("lm_head")
         return weights
 
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor parallel over `group`, llama's way: each rank keeps 1/N of the query and KV
+        heads and of the MLP columns; o_proj and down_proj all-sum the partial outputs."""
+        a = self.args
+        group = shard_group(
+            self,
+            "gemma3_text",
+            group,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            intermediate_size=a.intermediate_size,
+        )
+        N = group.size()
+        for layer in self.layers:
+            if layer is None:  # another pipeline stage's layer
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+            attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+            attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            attn.n_heads //= N
+            attn.n_kv_heads //= N
+            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        """Pipeline parallel over `group`: this rank keeps its run of layers (`PipelineMixin`)."""
+        self.model.pipeline(group, split)
+
     @property
     def layers(self):
         return self.model.layers
@@ -173,10 +206,12 @@ class Model(nn.Module):
         return self.args.max_position_embeddings
 
     def kv_layer_specs(self) -> list[LayerSpec]:
+        # Heads as the modules hold them (1/N after `shard`); None: another pipeline stage's layer.
         a = self.args
+        windows = [a.sliding_window if a.is_sliding(i) else None for i in range(a.num_hidden_layers)]
         return [
-            LayerSpec(a.num_key_value_heads, a.head_dim, window=a.sliding_window if a.is_sliding(i) else None)
-            for i in range(a.num_hidden_layers)
+            None if l is None else LayerSpec(l.self_attn.n_kv_heads, a.head_dim, window=w)
+            for l, w in zip(self.layers, windows)
         ]
 
 

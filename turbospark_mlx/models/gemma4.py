@@ -47,6 +47,12 @@ class Model(nn.Module):
     def max_context(self) -> int | None:
         return self.language_model.max_context
 
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        self.language_model.shard(group)
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        self.language_model.pipeline(group, split)
+
     @property
     def layers(self):
         return self.language_model.layers

@@ -26,7 +26,7 @@ from mlx_lm.models.gemma4_text import MLP, Experts, RMSNormNoScale, Router, logi
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention, written_attention
+from .base import BaseModelArgs, cache_for_call, cached_attention, not_shardable, written_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -282,6 +282,12 @@ class Model(nn.Module):
             for p in ("k_proj.", "v_proj.", "k_norm.")
         )
         return {k: v for k, v in weights.items() if not any(s in k for s in shared)}
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        raise not_shardable("gemma4_text", "KV sharing, K=V attention and MoE experts are not split here")
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        raise not_shardable("gemma4_text", "KV sharing, K=V attention and MoE experts are not split here")
 
     @property
     def layers(self):

@@ -23,7 +23,7 @@ from mlx_lm.models.gpt_oss import MLPBlock
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention
+from .base import BaseModelArgs, cache_for_call, cached_attention, not_shardable
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -157,6 +157,12 @@ class Model(nn.Module):
     def quant_predicate(self):
         # The router stays at 8 bits when the rest is quantized, as mlx-lm does.
         return _mlx_gpt_oss.Model.quant_predicate.fget(self)
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        raise not_shardable("gpt_oss", "the per-head attention sinks and the MoE experts are not split here")
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        raise not_shardable("gpt_oss", "the per-head attention sinks and the MoE experts are not split here")
 
     @property
     def layers(self):

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention
+from .base import BaseModelArgs, cache_for_call, cached_attention, not_shardable
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -207,6 +207,12 @@ class Model(nn.Module):
                     break
             out[k] = v
         return out
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        raise not_shardable("muse_glimmer", "the gated attention output is not split here")
+
+    def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+        raise not_shardable("muse_glimmer", "the gated attention output is not split here")
 
     @property
     def layers(self):

@@ -6,15 +6,16 @@ Same module tree and weight names as mlx_lm/models/qwen3.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention
+from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_group
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(PipelineMixin, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -120,10 +121,10 @@ class Qwen3Model(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
-        h = self.embed_tokens(inputs)
-        for layer in self.layers:
+        h = self.stage_input(self.embed_tokens(inputs))
+        for layer in self.pipeline_layers:
             h = layer(h, cache)
-        return self.norm(h)
+        return self.norm(self.stage_output(h, cache))
 
 
 class Model(nn.Module):
@@ -147,6 +148,37 @@ class Model(nn.Module):
             weights.pop("lm_head.weight", None)
         return weights
 
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over `group`, as mlx-lm shards qwen3: each rank keeps 1/N of the query
+        and KV heads and of the MLP columns; o_proj and down_proj all-sum the partial outputs."""
+        a = self.args
+        group = shard_group(
+            self,
+            "qwen3",
+            group,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            intermediate_size=a.intermediate_size,
+        )
+        N = group.size()
+        for layer in self.layers:
+            if layer is None:  # another pipeline stage's layer
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+            attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+            attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            attn.n_heads //= N
+            attn.n_kv_heads //= N
+            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+
+    def pipeline(self, group: mx.distributed.Group, split: Optional[List[int]] = None) -> None:
+        """Pipeline parallel over `group`: this rank keeps its run of layers (`PipelineMixin`)."""
+        self.model.pipeline(group, split)
+
     @property
     def layers(self):
         return self.model.layers
@@ -156,4 +188,6 @@ class Model(nn.Module):
         return self.args.max_position_embeddings
 
     def kv_layer_specs(self) -> list[LayerSpec]:
-        return [LayerSpec(self.args.num_key_value_heads, self.args.head_dim) for _ in self.layers]
+        # Heads as the modules hold them (1/N after `shard`); None: another pipeline stage's layer.
+        D = self.args.head_dim
+        return [None if l is None else LayerSpec(l.self_attn.n_kv_heads, D) for l in self.layers]
