@@ -204,7 +204,8 @@ def test_bodies_that_are_not_json_objects_and_the_get_endpoints(loaded):
         assert status == 404
 
 
-def test_cli_server_serves_and_stops_on_ctrl_c(model_dir, loaded):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_cli_server_serves_and_stops_on_ctrl_c_or_sigterm(model_dir, loaded, stop):
     env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference")
     proc = subprocess.Popen(
         [sys.executable, "-m", "turbospark_mlx", "server", "--model", str(model_dir), "--port", "0",
@@ -223,7 +224,7 @@ def test_cli_server_serves_and_stops_on_ctrl_c(model_dir, loaded):
         model, tokenizer = loaded
         assert body["choices"][0]["text"] == ts.generate(model, tokenizer, PROMPTS[0], kv="tq4", max_tokens=8)
         assert body["usage"]["kv_cache"]["preset"] == "tq4"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         assert proc.wait(30) == 0
         rest = proc.stderr.read()
         assert "Traceback" not in rest and "stopped" in rest

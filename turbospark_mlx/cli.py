@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -333,6 +334,10 @@ def _chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _server(args: argparse.Namespace) -> int:
     from .loading import load
     from .server import Engine, Server
@@ -363,6 +368,7 @@ def _server(args: argparse.Namespace) -> int:
         raise _ArgError(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     engine.start()
     print(f"serving {server.model_id} at {server.url} (KV {args.kv}); Ctrl-C stops", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop ends it as Ctrl-C does
     try:
         server.serve_forever()
     except KeyboardInterrupt:
