@@ -3,7 +3,7 @@
 
 import mlx.core as mx
 import pytest
-from conftest import plain
+from conftest import assert_same_state, committed_state, plain
 
 from turbospark_mlx import KVCacheManager, LayerSpec, TurboQuantConfig, attention_any, get_preset, store_kv
 from turbospark_mlx.attention import attention_mask
@@ -65,9 +65,12 @@ def test_chunked_prefill_equals_token_steps(config):
     L = 150
     k, v, q = data(L, bias=3.0)
     sinks = mx.random.normal((HKV * G,))
-    steps, _ = run(config, k, v, q, [1] * L, sinks=sinks)
-    chunked, _ = run(config, k, v, q, [40, 64, 5, 41], sinks=sinks)
-    assert mx.array_equal(steps, chunked).item(), mx.abs(steps - chunked).max().item()
+    steps, by_steps = run(config, k, v, q, [1] * L, sinks=sinks)
+    chunked, by_chunks = run(config, k, v, q, [40, 64, 5, 41], sinks=sinks)
+    # The same rows stored bit for bit; attention from the decode-step and the chunk paths
+    # (one row's sink and window rows vs a masked tile) equal up to float32 rounding.
+    assert_same_state(committed_state(by_steps), committed_state(by_chunks))
+    assert mx.allclose(steps, chunked, atol=1e-5, rtol=1e-5).item(), mx.abs(steps - chunked).max().item()
 
 
 def test_matches_oracle_with_sinks_and_centring():
@@ -170,7 +173,7 @@ def test_mlx_lm_adapter_serves_protected_presets(tmp_path):
     a = model(prompt, cache=whole)
     steps = make_prompt_cache(model, kv=config, max_rows=8)
     b = mx.concatenate([model(prompt[:, i : i + 1], cache=steps) for i in range(70)], axis=1)
-    assert mx.array_equal(a, b).item()
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), mx.abs(a - b).max().item()
     save_prompt_cache(str(tmp_path / "c.safetensors"), whole)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
     nxt = mx.array([[5]])

@@ -62,8 +62,9 @@ def test_chunked_prefill_equals_token_steps_turboquant(family, kv):
     chunked, steps = make_cache(model, kv, max_rows=8), make_cache(model, kv, max_rows=8)
     a = mx.concatenate([model(x[:, i : i + 5], cache=chunked) for i in range(0, L, 5)], axis=1)
     b = mx.concatenate([model(x[:, i : i + 1], cache=steps) for i in range(L)], axis=1)
-    # Measured: bit-identical (0.0) on all four families.
-    assert mx.allclose(a, b, atol=1e-5, rtol=0).item()
+    # A step (one row: its sink and window rows sliced) and a chunk (a masked tile) are two
+    # attention paths: equal up to float32 rounding carried through the layers.
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), mx.abs(a - b).max().item()
     assert chunked.offset == steps.offset == L
 
 

@@ -206,7 +206,7 @@ def test_bodies_that_are_not_json_objects_and_the_get_endpoints(loaded):
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_cli_server_serves_and_stops_on_ctrl_c_or_sigterm(model_dir, loaded, stop):
-    env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference")
+    env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference", PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "turbospark_mlx", "server", "--model", str(model_dir), "--port", "0",
          "--kv", "tq4", "--max-tokens", "8"],
@@ -225,7 +225,12 @@ def test_cli_server_serves_and_stops_on_ctrl_c_or_sigterm(model_dir, loaded, sto
         assert body["choices"][0]["text"] == ts.generate(model, tokenizer, PROMPTS[0], kv="tq4", max_tokens=8)
         assert body["usage"]["kv_cache"]["preset"] == "tq4"
         proc.send_signal(stop)
-        assert proc.wait(30) == 0
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:  # dump every thread's stack (faulthandler) to say where it hangs
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"the server did not stop within 60 s of signal {stop}:\n{proc.communicate(timeout=30)[1][-6000:]}")
+        assert rc == 0
         rest = proc.stderr.read()
         assert "Traceback" not in rest and "stopped" in rest
     finally:

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCacheManager
+from .cache.window import ring_rows
 from .gpu import backend as _backend
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
 from .quant.reference import tq_attention_ref
@@ -146,6 +147,10 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W = config.sink_rows, config.window_rows
     B, Hq, M, D = queries.shape
+    group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
+    backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
+    if backend == "reference" and M == 1 and isinstance(kv_start, int):
+        return _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start)
     end = position + M
     t = mx.arange(position, end)[:, None]  # (M, 1) query positions
     start = mx.array(kv_start).reshape(-1, 1, 1, 1)
@@ -166,8 +171,6 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     else:  # no row has left the window yet: zero-length codes
         n = (B, keys.shape[1], 0)
         codes = [mx.zeros((*n, quant.k.words), mx.uint32), mx.zeros(n), mx.zeros((*n, quant.v.words), mx.uint32), mx.zeros(n)]
-    group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
-    backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
     if backend == "reference":
         kp = mx.arange(S, q_end)[None, :]
         code_mask = ((kp <= t - W)[None, None]) & (kp[None, None] >= start)
@@ -192,6 +195,35 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
             dense=(keys, values, dense_mask[:, :, r0:]), key_mean=key_mean,
         ))
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
+
+
+def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start: int) -> mx.array:
+    """One query row of a protected layer on the reference backend (a decode step): only the
+    rows it reads go in, so no position mask is built. Its sink rows and the window
+    (t - window, t] are sliced from their arrays; before any row has codes this is MLX's
+    fused attention over them, after it the codes join in one softmax."""
+    config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
+    S, W, R = config.sink_rows, config.window_rows, cache.recent_capacity(layer)
+    t = position
+    lo = max(kv_start, S, t - W + 1)  # the window's first position read
+    dense = []
+    for side in ("k", "v"):
+        rows = [arrays[f"{side}_sinks"][:, :, kv_start : min(S, t + 1)]] if kv_start < S else []
+        if lo <= t:
+            rows.append(ring_rows(arrays[f"{side}_recent"], lo, t + 1, R))
+        dense.append(rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=2) if rows else None)
+    keys, values = dense
+    q_end = cache.quantized_end(layer, t + 1)  # codes for positions [S, q_end)
+    first = max(S, kv_start)
+    if q_end <= first:  # float32, as the reference computes the rows of a chunk
+        f32 = [a.astype(mx.float32) for a in (queries, keys, values)]
+        return mx.fast.scaled_dot_product_attention(*f32, scale=scale, sinks=sinks).astype(queries.dtype)
+    codes = [arrays[n][:, :, first - S : q_end - S] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    key_mean = arrays["k_mean"] if config.center_keys else None
+    return tq_attention_ref(
+        queries, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean,
+        dense=None if keys is None else (keys, values, None),
+    )  # fmt: skip
 
 
 def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: mx.array | None) -> None:

