@@ -56,6 +56,17 @@ CONFIGS = {
         sliding_window_pattern=3,
         query_pre_attn_scalar=32,
     ),
+    # MoE (4 experts, 2 per token), sinks; layers 0 and 2 slide over 8 positions.
+    "gpt_oss": dict(
+        BASE,
+        model_type="gpt_oss",
+        num_hidden_layers=4,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=32,
+        sliding_window=8,
+    ),
 }
 # (mode, family, preset)
 CASES = [
@@ -65,10 +76,12 @@ CASES = [
     ("tp", "qwen2", "tq4"),
     ("tp", "qwen3", "k8v4"),
     ("tp", "gemma3_text", "tq4"),
+    ("tp", "gpt_oss", "tq4"),
     ("pp", "llama", "fp16"),
     ("pp", "llama", "tq4"),
     ("pp", "qwen3", "k8v4"),
     ("pp", "gemma3_text", "k8v4"),
+    ("pp", "gpt_oss", "k8v4"),
     ("mlx_lm", "llama", "tq4"),
     ("mlx_lm", "llama", "k8v4"),
 ]

@@ -20,10 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gpt_oss as _mlx_gpt_oss
 from mlx_lm.models.gpt_oss import MLPBlock
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, cache_for_call, cached_attention, not_shardable
+from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_group
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -115,7 +116,7 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssMoeModel(nn.Module):
+class GptOssMoeModel(PipelineMixin, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -123,10 +124,10 @@ class GptOssMoeModel(nn.Module):
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
 
     def __call__(self, inputs: mx.array, cache: KVCacheManager) -> mx.array:
-        x = self.embed_tokens(inputs)
-        for layer in self.layers:
+        x = self.stage_input(self.embed_tokens(inputs))
+        for layer in self.pipeline_layers:
             x = layer(x, cache)
-        return self.norm(x)
+        return self.norm(self.stage_output(x, cache))
 
 
 class Model(nn.Module):
@@ -159,10 +160,40 @@ class Model(nn.Module):
         return _mlx_gpt_oss.Model.quant_predicate.fget(self)
 
     def shard(self, group: mx.distributed.Group | None = None) -> None:
-        raise not_shardable("gpt_oss", "the per-head attention sinks and the MoE experts are not split here")
+        """Tensor parallel over `group`, as mlx-lm shards gpt-oss: each rank keeps 1/N of the query
+        and KV heads (and their sinks) and of every expert's columns; o_proj and the experts'
+        down_proj all-sum the partial outputs (the down bias divided by N, so it adds up once)."""
+        a = self.args
+        group = shard_group(
+            self,
+            "gpt_oss",
+            group,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            intermediate_size=a.intermediate_size,
+        )
+        N, r = group.size(), group.rank()
+        for layer in self.layers:
+            if layer is None:  # another pipeline stage's layer
+                continue
+            attn, experts = layer.self_attn, layer.mlp.experts
+            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+            attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+            attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            attn.num_attention_heads //= N
+            attn.num_key_value_heads //= N
+            h = attn.num_attention_heads
+            attn.sinks = attn.sinks[h * r : h * (r + 1)]
+            shard_inplace(experts.gate_proj, "all-to-sharded", group=group)
+            shard_inplace(experts.up_proj, "all-to-sharded", group=group)
+            shard_inplace(experts.down_proj, "sharded-to-all", group=group)
+            experts.down_proj.bias /= N
+            layer.mlp.sharding_group = group
 
     def pipeline(self, group: mx.distributed.Group, split: list[int] | None = None) -> None:
-        raise not_shardable("gpt_oss", "the per-head attention sinks and the MoE experts are not split here")
+        """Pipeline parallel over `group`: this rank keeps its run of layers (`PipelineMixin`)."""
+        self.model.pipeline(group, split)
 
     @property
     def layers(self):
@@ -173,12 +204,15 @@ class Model(nn.Module):
         return self.args.max_position_embeddings
 
     def kv_layer_specs(self) -> list[LayerSpec]:
+        # Heads as the modules hold them (1/N after `shard`); None: another pipeline stage's layer.
         a = self.args
         return [
-            LayerSpec(
-                a.num_key_value_heads,
+            None
+            if l is None
+            else LayerSpec(
+                l.self_attn.num_key_value_heads,
                 a.head_dim,
                 window=a.sliding_window if t == "sliding_attention" else None,
             )
-            for t in a.layer_types
+            for l, t in zip(self.layers, a.layer_types)
         ]
