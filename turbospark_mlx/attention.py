@@ -12,7 +12,8 @@
 Queries are M rows at positions [position, position + M) (M = 1 for decode;
 more for chunked prefill and speculative verify); they see keys causally. A
 compressed layer reads its new rows back from the packed codes, so a chunked
-prefill computes exactly what token-by-token decode does.
+prefill reads the same rows token-by-token decode does (a protected layer's one-row
+step takes its own path on the reference backend: equal to float32 rounding).
 """
 
 from __future__ import annotations
