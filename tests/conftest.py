@@ -1,7 +1,8 @@
 import os
 
-# The suite checks exact equalities (a chunked prefill equals one-token steps bit for bit) that
-# hold on MLX's own BLAS, which rounds a row's dot products the same whatever the row count;
+# The suite checks exact equalities (a chunked prefill stores the rows one-token steps store, bit
+# for bit; a batched sequence's logits equal its single run's) that hold on MLX's own BLAS, which
+# rounds a row's dot products the same whatever the row count;
 # MKL's GEMM and GEMV kernels differ in the last bits. tests/test_cpu_blas.py runs MKL in its
 # own processes.
 os.environ.setdefault("TURBOSPARK_CPU_BLAS", "reference")
