@@ -101,6 +101,28 @@ def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes:
     return group
 
 
+def shard_blocks(layers, group: mx.distributed.Group) -> None:
+    """The standard tensor-parallel split of every block this rank holds (mlx-lm's): Q/K/V and
+    the MLP's gate/up keep 1/N of their output columns, o_proj and down_proj all-sum the
+    partial outputs, and the attention module's head counts drop to this rank's."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    N = group.size()
+    for layer in layers:
+        if layer is None:  # another pipeline stage's layer
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+        attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+        attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.n_heads //= N
+        attn.n_kv_heads //= N
+        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+
+
 def parallel_group(model) -> mx.distributed.Group | None:
     """The group `model` is split over by `shard` or `pipeline`, or None for a whole model."""
     for _, m in model.named_modules():

@@ -10,12 +10,11 @@ from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_group
+from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_blocks, shard_group
 
 
 @dataclass
@@ -160,20 +159,7 @@ class Model(nn.Module):
             num_key_value_heads=a.num_key_value_heads,
             intermediate_size=a.intermediate_size,
         )
-        N = group.size()
-        for layer in self.layers:
-            if layer is None:  # another pipeline stage's layer
-                continue
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
-            attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
-            attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
-            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
-            attn.n_heads //= N
-            attn.n_kv_heads //= N
-            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+        shard_blocks(self.layers, group)
 
     def pipeline(self, group: mx.distributed.Group, split: Optional[List[int]] = None) -> None:
         """Pipeline parallel over `group`: this rank keeps its run of layers (`PipelineMixin`)."""
