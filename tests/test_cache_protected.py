@@ -25,8 +25,8 @@ def data(L, bias=0.0, seed=0):
     return k.astype(mx.float16), v.astype(mx.float16), q
 
 
-def run(config, k, v, q, chunks, sinks=None, kv_start=0, max_rows=64):
-    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=max_rows)
+def run(config, k, v, q, chunks, sinks=None, kv_start=0, max_rows=64, max_kv_size=None):
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=max_rows, max_kv_size=max_kv_size)
     outs, pos = [], 0
     first = kv_start if isinstance(kv_start, int) else max(kv_start.tolist())  # rows before it attend nothing
     for m in chunks:

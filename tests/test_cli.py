@@ -264,3 +264,23 @@ def test_draft_model_gives_the_same_text_and_counts_accepted_tokens(chat_model_d
     cap = capsys.readouterr()
     assert cap.out == plain_out and plain_out.strip()
     assert "draft tokens accepted: 16/24" in cap.err  # the model as its own draft: y, d, d, y, d, d, ...
+
+
+def test_max_kv_size_bounds_memory_past_the_context(chat_model_dir, capsys):
+    import turbospark_mlx as ts
+
+    model = ["--model", str(chat_model_dir), "--kv", "tq4", "-p", words(480, 5), "-m", "100"]
+    assert cli.main(["generate", *model]) == 2  # 480 + 100 positions: past the model's 512
+    assert "more than the context of 512" in capsys.readouterr().err
+    assert cli.main(["generate", *model, "--max-kv-size", "200", "--prefill-step-size", "64"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() and "generation: " in cap.err
+    m, tok = ts.load(str(chat_model_dir))
+    steps = list(ts.stream_generate(m, tok, words(480, 5), kv="tq4", max_tokens=100, max_kv_size=200, chat=True,
+                                    prefill_step_size=64))  # fmt: skip
+    assert "".join(s.text for s in steps) == cap.out.strip()
+    assert len(steps) > 20 and steps[10].kv_bytes == steps[-1].kv_bytes  # full rings: memory stops growing
+    for flags in (["--max-kv-size", "0"], ["--max-kv-size", "4", "--kv", "fp16"]):
+        assert cli.main(["generate", "--model", str(chat_model_dir), "-p", "w1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--max-kv-size must be >= 1" in err and "must exceed the 4 sink rows" in err

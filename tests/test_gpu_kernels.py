@@ -266,17 +266,18 @@ def test_cache_paths_use_kernels_and_match_reference():
         assert same > 0.999
 
 
+@pytest.mark.parametrize("max_kv_size", [None, 48])
 @pytest.mark.parametrize("d,kv", [(128, "tq4"), (64, "k8v4"), (128, "tq3")])
-def test_protected_layers_match_reference(d, kv):
+def test_protected_layers_match_reference(d, kv, max_kv_size):
     """FP16 window + sink rows + key centring: the dialect kernels' partials over the codes
     merged with the FP16 rows' partial equal the reference over the same cache, for rows
     before, across and past the first quantized row, per-sequence starts and sink logits;
-    two runs are identical."""
+    two runs are identical. Bounded (max_kv_size): the codes ring wraps."""
     config = get_preset(kv).with_(name="p", window_rows=16, sink_rows=4, center_keys=True)
 
     def run():
         mx.random.seed(5)
-        cache = KVCacheManager([LayerSpec(2, d)], config, batch_size=2, max_rows=40)
+        cache = KVCacheManager([LayerSpec(2, d)], config, batch_size=2, max_rows=40, max_kv_size=max_kv_size)
         starts = mx.array([0, 3])
         outs, refs, pos = [], [], 0
         for m in (12, 1, 1, 9, 1, 40, 1, 33, 1):

@@ -40,8 +40,8 @@ def loaded(model_dir):
 
 
 @contextlib.contextmanager
-def serving(model, tokenizer, start_engine=True, **kwargs):
-    engine = Engine(model, tokenizer, kv=KV, prefill_step_size=4, **kwargs)
+def serving(model, tokenizer, start_engine=True, kv=KV, **kwargs):
+    engine = Engine(model, tokenizer, kv=kv, prefill_step_size=4, **kwargs)
     server = Server(("127.0.0.1", 0), engine, "tiny", default_max_tokens=12)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -104,6 +104,18 @@ def test_completions_equal_generate(loaded):
         # No max_tokens: the server's default (12 here).
         status, body = request(server.url, "/v1/completions", {"prompt": PROMPTS[1]})
         assert body["choices"][0]["text"] == expected(loaded, PROMPTS[1], 12)
+
+
+def test_max_kv_size_bounds_each_request(loaded):
+    """Requests on bounded caches (sink rows + the newest positions) answer as generate does
+    with the same bound."""
+    model, tokenizer = loaded
+    with serving(model, tokenizer, kv="fp16", max_kv_size=12) as server:
+        status, body = request(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 24})
+    want = ts.generate(model, tokenizer, PROMPTS[1], kv="fp16", max_tokens=24, prefill_step_size=4, max_kv_size=12)
+    assert status == 200 and body["choices"][0]["text"] == want
+    unbounded = ts.generate(model, tokenizer, PROMPTS[1], kv="fp16", max_tokens=24, prefill_step_size=4)
+    assert want != unbounded  # the bound changes what is attended to
 
 
 def test_chat_completions_equal_generate_with_the_template(loaded):

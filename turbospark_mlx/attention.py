@@ -136,7 +136,15 @@ def attention_any(
             mask = attention_mask(mx.arange(end), q_pos, kv_start)
     else:
         keys, values = arrays["keys"], arrays["values"]
-        mask = attention_mask(cache.slot_positions(layer, end), q_pos, kv_start, spec.window)
+        kp = cache.slot_positions(layer, end)
+        S = cache.sink_rows(layer)
+        mask = attention_mask(kp, q_pos, kv_start, cache.layer_keep(layer))
+        if S:  # a bounded ring: its first positions from their own rows, not the ring's copies
+            n = min(S, end)
+            keys = mx.concatenate([arrays["k_sinks"][:, :, :n], keys], axis=2)
+            values = mx.concatenate([arrays["v_sinks"][:, :, :n], values], axis=2)
+            sink_mask = attention_mask(mx.arange(n), q_pos, kv_start)
+            mask = mx.concatenate([mx.broadcast_to(sink_mask, (*mask.shape[:3], n)), mask & (kp >= S)], axis=-1)
     return mx.fast.scaled_dot_product_attention(
         queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=mask, sinks=sinks
     )
@@ -144,9 +152,10 @@ def attention_any(
 
 def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array:
     """A protected TurboQuant layer: each query row t reads its sink rows and the positions
-    (t - window, t] in FP16 and older positions from the codes, in one softmax."""
+    (t - window, t] in FP16 and older positions from the codes, in one softmax (on a bounded
+    layer only those after t - keep)."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
-    S, W = config.sink_rows, config.window_rows
+    S, W, keep = config.sink_rows, config.window_rows, cache.layer_keep(layer)
     B, Hq, M, D = queries.shape
     group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
     backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
@@ -172,15 +181,24 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     else:  # no row has left the window yet: zero-length codes
         n = (B, keys.shape[1], 0)
         codes = [mx.zeros((*n, quant.k.words), mx.uint32), mx.zeros(n), mx.zeros((*n, quant.v.words), mx.uint32), mx.zeros(n)]
-    if backend == "reference":
-        kp = mx.arange(S, q_end)[None, :]
-        code_mask = ((kp <= t - W)[None, None]) & (kp[None, None] >= start)
+    # A bounded layer's chunk rows each start at their own position (t - keep, ...]: the
+    # kernels take one start per sequence, so those rows go the reference way (on any device).
+    if backend == "reference" or (keep is not None and M > 1):
+        if keep is None:
+            kp, codes = mx.arange(S, q_end)[None, :], [c[:, :, : q_end - S] for c in codes]
+        else:
+            kp = cache.code_positions(layer, end)[None, :]
+        code_mask = (((kp >= 0) & (kp <= t - W) & (kp > t - (keep or end)))[None, None]) & (kp[None, None] >= start)
         return tq_attention_ref(
-            queries, *(c[:, :, : q_end - S] for c in codes), quant, scale=scale, mask=code_mask,
+            queries, *codes, quant, scale=scale, mask=code_mask,
             sinks=sinks, dense=(keys, values, dense_mask), key_mean=key_mean,
         )
-    # Rows before S + W read no codes (the kernel's first position would be negative).
-    r0 = min(M, max(0, S + W - position))
+    lo = S  # the kernel sees code slot i as position lo + i
+    if keep is not None:  # one row: its codes after t - keep, in order (at most two slices)
+        lo = max(S, position - keep + 1)
+        codes = [ring_rows(c, lo - S, max(lo, q_end) - S, cache.ring_capacity(layer)) for c in codes]
+    # Rows before lo + W read no codes (the kernel's first position would be negative).
+    r0 = min(M, max(0, lo + W - position))
     out = []
     if r0:
         out.append(tq_attention_ref(
@@ -188,10 +206,10 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
             sinks=sinks, dense=(keys, values, dense_mask[:, :, :r0]),
         ))
     if r0 < M:
-        # The kernel sees slot i as position i + S: shift the rows' positions by W + S.
-        shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
+        # Slot i holds position i + lo, and row t reads codes up to t - W: shift by W + lo.
+        shifted = mx.maximum(kv_start - lo, 0) if isinstance(kv_start, mx.array) else max(kv_start - lo, 0)
         out.append(tq_decode_attention(
-            queries[:, :, r0:], *codes, quant, scale=scale, position=position + r0 - W - S,
+            queries[:, :, r0:], *codes, quant, scale=scale, position=position + r0 - W - lo,
             kv_start=shifted, sinks=sinks, backend=backend,
             dense=(keys, values, dense_mask[:, :, r0:]), key_mean=key_mean,
         ))
@@ -205,6 +223,7 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
     fused attention over them, after it the codes join in one softmax."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W, R = config.sink_rows, config.window_rows, cache.recent_capacity(layer)
+    keep = cache.layer_keep(layer)
     t = position
     lo = max(kv_start, S, t - W + 1)  # the window's first position read
     dense = []
@@ -215,11 +234,15 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
         dense.append(rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=2) if rows else None)
     keys, values = dense
     q_end = cache.quantized_end(layer, t + 1)  # codes for positions [S, q_end)
-    first = max(S, kv_start)
+    first = max(S, kv_start, t - keep + 1) if keep is not None else max(S, kv_start)
     if q_end <= first:  # float32, as the reference computes the rows of a chunk
         f32 = [a.astype(mx.float32) for a in (queries, keys, values)]
         return mx.fast.scaled_dot_product_attention(*f32, scale=scale, sinks=sinks).astype(queries.dtype)
-    codes = [arrays[n][:, :, first - S : q_end - S] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    names = ("k_codes", "k_norms", "v_codes", "v_norms")
+    if keep is None:
+        codes = [arrays[n][:, :, first - S : q_end - S] for n in names]
+    else:  # code slot (p - S) modulo the ring
+        codes = [ring_rows(arrays[n], first - S, q_end - S, cache.ring_capacity(layer)) for n in names]
     key_mean = arrays["k_mean"] if config.center_keys else None
     return tq_attention_ref(
         queries, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean,

@@ -81,6 +81,7 @@ def _check_generate_args(args: argparse.Namespace) -> None:
         ("--top-k", args.top_k >= 0, "must be >= 0 (0 turns it off)"),
         ("--prefill-step-size", args.prefill_step_size >= 1, "must be >= 1"),
         ("--max-context", args.max_context is None or args.max_context >= 1, "must be >= 1"),
+        ("--max-kv-size", args.max_kv_size is None or args.max_kv_size >= 1, "must be >= 1"),
         ("--repetition-penalty", args.repetition_penalty is None or args.repetition_penalty > 0, "must be > 0"),
         ("--seed", args.seed is None or args.seed >= 0, "must be >= 0"),
         ("--stop", all(args.stop or []), "must not be empty"),
@@ -136,6 +137,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.pipeline and group is None:
         raise _ArgError("--pipeline splits the model over several ranks: run under mlx.launch")
     rank = 0 if group is None else group.rank()
+    if args.prompt_cache_file is not None and args.max_kv_size is not None:
+        raise _ArgError("--max-kv-size: a --prompt-cache-file cache keeps the bound it was made with; "
+                        "give --max-kv-size to cache-prompt")
     if group is not None:
         for flag in ("prompt_cache_file", "draft_model"):
             if getattr(args, flag) is not None:
@@ -169,6 +173,7 @@ def _generate(args: argparse.Namespace) -> int:
             chat=chat and cache is None,
             system=args.system_prompt,
             max_context=args.max_context,
+            max_kv_size=args.max_kv_size,
             progress=_Progress(),
             draft_model=draft,
             num_draft_tokens=args.num_draft_tokens,
@@ -244,7 +249,8 @@ def _cache_prompt(args: argparse.Namespace) -> int:
 
     _check_kv(args)
     for flag, ok in [("--prefill-step-size", args.prefill_step_size >= 1),
-                     ("--max-context", args.max_context is None or args.max_context >= 1)]:  # fmt: skip
+                     ("--max-context", args.max_context is None or args.max_context >= 1),
+                     ("--max-kv-size", args.max_kv_size is None or args.max_kv_size >= 1)]:  # fmt: skip
         if not ok:
             raise _ArgError(f"{flag} must be >= 1, got {getattr(args, flag[2:].replace('-', '_'))!r}")
     prompt = _read_prompt(args.prompt)
@@ -257,10 +263,12 @@ def _cache_prompt(args: argparse.Namespace) -> int:
         raise _ArgError("--system-prompt needs the model's chat template")
     else:
         ids = tokenizer.encode(prompt)
-    context = args.max_context or model_max_context(model)
+    context = args.max_context or (None if args.max_kv_size else model_max_context(model))
     if not ids or (context is not None and len(ids) >= context):
         raise _ArgError(f"--prompt: {len(ids)} tokens; a prompt cache needs 1 to {context - 1} (the context is {context})")
-    cache = make_cache(model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context)
+    cache = make_cache(
+        model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context, max_kv_size=args.max_kv_size
+    )
     tic = time.perf_counter()
     prefill(model, cache, mx.array(ids)[None], args.prefill_step_size, _Progress())
     seconds = time.perf_counter() - tic
@@ -286,10 +294,13 @@ def _chat(args: argparse.Namespace) -> int:
     model, tokenizer = load(model_path)
     if getattr(tokenizer, "chat_template", None) is None:
         raise _ArgError(f"{model_path}: this model has no chat template; use `generate`")
-    context = args.max_context or model_max_context(model)
+    # A bounded cache may run past the model's context, as mlx-lm's --max-kv-size does.
+    context = args.max_context or (None if args.max_kv_size else model_max_context(model))
 
     def fresh():
-        return make_cache(model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context)
+        return make_cache(
+            model, kv=args.kv, max_rows=args.prefill_step_size, max_context=context, max_kv_size=args.max_kv_size
+        )
 
     cache, fed = fresh(), []  # fed: the token ids the cache holds, in order
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -351,6 +362,7 @@ def _server(args: argparse.Namespace) -> int:
         ("--max-batch-size", args.max_batch_size >= 1, "must be >= 1"),
         ("--prefill-step-size", args.prefill_step_size >= 1, "must be >= 1"),
         ("--max-context", args.max_context is None or args.max_context >= 1, "must be >= 1"),
+        ("--max-kv-size", args.max_kv_size is None or args.max_kv_size >= 1, "must be >= 1"),
     ]
     for flag, ok, what in checks:
         if not ok:
@@ -360,7 +372,7 @@ def _server(args: argparse.Namespace) -> int:
     model, tokenizer = load(model_path)
     engine = Engine(
         model, tokenizer, kv=args.kv, max_batch_size=args.max_batch_size,
-        prefill_step_size=args.prefill_step_size, max_context=args.max_context,
+        prefill_step_size=args.prefill_step_size, max_context=args.max_context, max_kv_size=args.max_kv_size,
     )
     try:
         server = Server((args.host, args.port), engine, Path(model_path).name, default_max_tokens=args.max_tokens)
@@ -569,6 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--stop", action="append", help="stop string (repeatable)")
     common.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     common.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
+    common.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
+        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
     common.add_argument(
         "--verbose", type=_bool, default=True, metavar="{true,false}",
         help="the stats line on stderr after the text (default true)",
@@ -611,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--ignore-chat-template", action="store_true", help="cache the prompt as raw text")
     cp.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     cp.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
+    cp.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
+        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
     cp.set_defaults(func=_cache_prompt)
     c = sub.add_parser(
         "chat",
@@ -633,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-size", type=int, default=8, help="requests generating together; more wait (default %(default)s)")
     s.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     s.add_argument("--max-context", type=int, default=None, help="positions a request may use (default: the model's context length)")
+    s.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
+        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
     s.set_defaults(func=_server)
     _add_eval_parser(sub)
     return ap

@@ -248,6 +248,7 @@ def stream_generate(
     system: str | None = None,
     prefill_step_size: int = 512,
     max_context: int | None = None,
+    max_kv_size: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     draft_model: nn.Module | None = None,
     num_draft_tokens: int = 3,
@@ -269,6 +270,10 @@ def stream_generate(
         chat: wrap the prompt with the tokenizer's chat template (system: its system message).
         prefill_step_size: prompt rows per forward pass (<= the cache's max_rows).
         max_context: positions the cache may hold; default the model's max_position_embeddings.
+        max_kv_size: bound the new cache (`KVCacheManager`): each layer keeps its first
+            sink rows and newest max_kv_size - sinks positions, so memory stops growing and
+            generation may run past the model's context length (as mlx-lm's
+            --max-kv-size); max_context then applies only if given.
         progress: called as progress(done, total) after each prefill chunk.
         draft_model: a smaller model with the same vocabulary for speculative decoding (its
             cache uses the same preset); num_draft_tokens: its proposals per step.
@@ -288,7 +293,10 @@ def stream_generate(
         vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
         if vocab != draft_vocab:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the model's ({vocab})")
-    context = max_context or (cache.max_context if cache is not None else None) or model_max_context(model)
+    bounded = max_kv_size if cache is None else cache.max_kv_size
+    context = max_context or (cache.max_context if cache is not None else None)
+    if bounded is None:
+        context = context or model_max_context(model)
     start = cache.offset if cache is not None else 0
     if context is not None and start + len(ids) + max_tokens > context:
         raise ValueError(
@@ -297,7 +305,7 @@ def stream_generate(
             "shorten the prompt or lower max_tokens"
         )
     if cache is None:
-        cache = make_cache(model, kv=kv, max_rows=prefill_step_size, max_context=context)
+        cache = make_cache(model, kv=kv, max_rows=prefill_step_size, max_context=context, max_kv_size=max_kv_size)
     group = parallel_group(model)
     if group is not None:
         seed = _shared_seed(seed, group)
@@ -318,7 +326,9 @@ def stream_generate(
     if draft_model is None:
         tokens = _pipelined_tokens(model, cache, history, y, pick, max_tokens)
     else:
-        draft_cache = make_cache(draft_model, kv=cache.config, max_rows=cache.max_rows, max_context=context)
+        draft_cache = make_cache(
+            draft_model, kv=cache.config, max_rows=cache.max_rows, max_context=context, max_kv_size=bounded
+        )
         prefill(draft_model, draft_cache, history[None], prefill_step_size)
         tokens = _speculative_tokens(
             model, draft_model, cache, draft_cache, history, y, pick, max_tokens, num_draft_tokens

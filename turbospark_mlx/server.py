@@ -147,6 +147,7 @@ class Engine:
         max_batch_size: int = 8,
         prefill_step_size: int = 512,
         max_context: int | None = None,
+        max_kv_size: int | None = None,
     ):
         if max_batch_size < 1 or prefill_step_size < 1:
             raise ValueError(
@@ -155,7 +156,8 @@ class Engine:
         self.model, self.tokenizer, self.kv = model, tokenizer, kv
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
-        self.context = max_context or model_max_context(model)
+        self.max_kv_size = max_kv_size  # bounds each request's cache; it may then outrun the model's context
+        self.context = max_context or (None if max_kv_size else model_max_context(model))
         self.incoming: queue.Queue = queue.Queue()
         self.stats = {"requests": 0, "steps": 0, "largest_batch": 0}
         # MLX streams belong to the thread that made them: the engine thread runs on a
@@ -227,7 +229,10 @@ class Engine:
     def _prefill_chunk(self, r: Request) -> bool:
         """Feed the next chunk of r's prompt; True once the prompt is in and its first token sampled."""
         if r.cache is None:
-            r.setup(make_cache(self.model, kv=self.kv, max_rows=self.prefill_step_size, max_context=self.context))
+            r.setup(make_cache(
+                self.model, kv=self.kv, max_rows=self.prefill_step_size, max_context=self.context,
+                max_kv_size=self.max_kv_size,
+            ))  # fmt: skip
         end = min(len(r.ids), r.prefilled + self.prefill_step_size)
         logits = self.model(r.history[None, r.prefilled : end], cache=r.cache)
         r.prefilled = end

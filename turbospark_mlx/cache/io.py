@@ -42,6 +42,7 @@ def _meta(cache) -> dict[str, str]:
         "batch_size": str(cache.batch_size),
         "max_rows": str(cache.max_rows),
         "max_context": json.dumps(cache.max_context),
+        "max_kv_size": json.dumps(cache.max_kv_size),
         "dtype": _dtype_name(cache.dtype),
         "step": str(cache.step),
         "offsets": json.dumps({str(i): l.offset for i, l in layers.items()}),
@@ -118,6 +119,7 @@ def load(path: str, cls: type, return_metadata: bool = False):
             batch_size=int(meta["batch_size"]),
             max_rows=int(meta["max_rows"]),
             max_context=json.loads(meta["max_context"]),
+            max_kv_size=json.loads(meta.get("max_kv_size", "null")),
             dtype=FLOAT_DTYPES[meta["dtype"]],
             step=int(meta["step"]),
         )
@@ -133,7 +135,7 @@ def load(path: str, cls: type, return_metadata: bool = False):
         ring = l.ring_capacity
         need = None if off is None else min(off, ring or off)
         if l.recent_capacity and off is not None:  # codes only for rows that left the window
-            need = cache.quantized_end(i, off) - cache.config.sink_rows
+            need = min(cache.quantized_end(i, off) - cache.config.sink_rows, ring or off)
         if cap is None or off is None or off < 0 or cap < need or cap > (ring or cap):
             raise ValueError(f"KV cache file {path!r}: bad offset/capacity for layer {i}")
         layout = cache.storage_layout(i) if cap else {}

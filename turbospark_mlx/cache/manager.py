@@ -16,7 +16,10 @@ Write path:
   3. `attention.attention_any` then reads the cache, packed or FP16.
 
 Layers are FP16 (growing), FP16 rings (sliding window; never quantized), or
-TurboQuant (packed codes + float32 norms, growing). A layer can also read
+TurboQuant (packed codes + float32 norms, growing). A cache built with `max_kv_size=N`
+bounds every layer that would hold more than N positions, as mlx-lm's RotatingKVCache
+does: it keeps its first sink rows and its newest N - sinks positions (an FP16 ring with
+sink rows, or a protected TurboQuant layer whose codes are a ring). A layer can also read
 another layer's KV (`LayerSpec.shared_from`) and then owns no storage, or be
 held by another pipeline stage (its spec is None) and have no place here at all.
 Storage grows in steps like mlx-lm's KVCache, so a token does not reallocate.
@@ -36,6 +39,10 @@ from ..quant.tables import SIDES, LayerQuant, side_quant
 from . import io, window
 from .spec import LayerSpec
 
+# The first positions an FP16 layer of a bounded cache (`max_kv_size`) keeps: mlx-lm's
+# make_prompt_cache builds RotatingKVCache(max_kv_size, keep=4). A protected TurboQuant
+# layer keeps its preset's sink_rows instead.
+BOUNDED_SINK_ROWS = 4
 
 
 @dataclass
@@ -44,7 +51,13 @@ class _Layer:
 
     spec: LayerSpec
     quant: LayerQuant | None
+    # Slots of a ring: an FP16 ring's rows, or a bounded protected layer's codes; None: grows.
     ring_capacity: int | None
+    # Newest positions a query reads besides the sink rows (a sliding window, or max_kv_size
+    # minus the sink rows); None: every position.
+    keep: int | None = None
+    # First positions kept in FP16 apart from the ring (a protected layer, a bounded FP16 ring).
+    sink_rows: int = 0
     # A protected TurboQuant layer (window / sink rows / centring): slots of its FP16 ring of
     # recent rows (window_rows + max_rows, so an M-row chunk never overwrites a row it needs).
     recent_capacity: int = 0
@@ -108,7 +121,11 @@ class KVCacheManager:
         batch_size: B, the number of sequences.
         max_rows: the largest M-row write (prefill chunk, speculative verify);
             sizes the staging rows and the slack rings keep beyond their window.
-        max_context: if set, writing past this many positions is an error.
+        max_context: if set, writing past this many positions is an error (bounded
+            layers excepted: they never hold more than max_kv_size).
+        max_kv_size: if set, a layer that would hold more positions keeps only its first
+            sink rows and its newest max_kv_size - sinks positions (mlx-lm's rotating
+            cache with keep=4); TurboQuant layers then need a protected preset.
         dtype: dtype of FP16 storage and staging (float16 or bfloat16).
         step: growth step of storage, in positions.
     """
@@ -121,6 +138,7 @@ class KVCacheManager:
         batch_size: int = 1,
         max_rows: int = 512,
         max_context: int | None = None,
+        max_kv_size: int | None = None,
         dtype: mx.Dtype = mx.float16,
         step: int = 256,
     ):
@@ -135,9 +153,18 @@ class KVCacheManager:
             )
         if dtype not in (mx.float16, mx.bfloat16):
             raise ValueError(f"FP16 storage dtype must be float16 or bfloat16, got {dtype}")
+        if max_kv_size is not None:
+            if not isinstance(max_kv_size, int) or max_kv_size < 1:
+                raise ValueError(f"max_kv_size must be an int >= 1, got {max_kv_size!r}")
+            if not self.config.is_fp16 and not self.config.is_protected:
+                raise ValueError(
+                    f"max_kv_size needs a protected preset (window or sink rows): {self.config.name!r} "
+                    "compresses every position, so its codes cannot rotate behind sink rows"
+                )
         self.batch_size = batch_size
         self.max_rows = max_rows
         self.max_context = max_context
+        self.max_kv_size = max_kv_size
         self.dtype = dtype
         self.step = step
         self.stage = KVStage(batch_size, max_rows, dtype)
@@ -163,13 +190,31 @@ class KVCacheManager:
                     k=side_quant(self.config.k_bits, spec.head_dim, self.config.rotation, self.config.seed, i, "k"),
                     v=side_quant(self.config.v_bits, spec.head_dim, self.config.rotation, self.config.seed, i, "v"),
                 )
-            # A ring keeps max_rows - 1 positions beyond its window, so an
-            # M-row write never overwrites a key that a row of the same chunk needs.
-            ring = spec.window + max_rows - 1 if sliding else None
-            l = self._layers[i] = _Layer(spec, quant, ring)
-            if quant is not None and self.config.is_protected:
-                l.recent_capacity = self.config.window_rows + max_rows
+            l = self._layers[i] = self._new_layer(spec, quant)
+            if l.recent_capacity or l.sink_rows:
                 l.arrays.update(self._empty_fixed(l))
+
+    def _new_layer(self, spec: LayerSpec, quant: LayerQuant | None) -> _Layer:
+        protected = quant is not None and self.config.is_protected
+        keep, sinks = spec.window, self.config.sink_rows if protected else 0
+        N = self.max_kv_size
+        if N is not None and (keep is None or keep > N):
+            sinks = self.config.sink_rows if quant is not None else BOUNDED_SINK_ROWS
+            if N <= sinks:
+                raise ValueError(f"max_kv_size={N} must exceed the {sinks} sink rows a bounded layer keeps")
+            keep = N - sinks
+            if quant is not None and keep <= self.config.window_rows:  # the FP16 window holds it all
+                quant, protected = None, False
+        if protected:
+            W = self.config.window_rows
+            # Bounded: codes for the positions a query reads beyond the window, plus
+            # max_rows - 1, so an M-row chunk's first row still finds its oldest code.
+            ring = None if keep is None else keep - W + self.max_rows - 1
+            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=W + self.max_rows)
+        # A ring keeps max_rows - 1 positions beyond its window, so an
+        # M-row write never overwrites a key that a row of the same chunk needs.
+        ring = None if keep is None else keep + self.max_rows - 1
+        return _Layer(spec, quant, ring, keep, sinks)
 
     def _check_spec(self, i: int, spec: LayerSpec) -> None:
         if spec.n_kv_heads < 1 or spec.head_dim < 1:
@@ -252,7 +297,8 @@ class KVCacheManager:
         return l.quant is not None or l.ring_capacity is not None
 
     def ring_capacity(self, layer: int) -> int | None:
-        """Slots of `layer`'s ring, or None if it is not a sliding-window layer."""
+        """Slots of `layer`'s ring (an FP16 ring's rows, a bounded protected layer's codes), or
+        None if its storage grows."""
         return self._layer(layer).ring_capacity
 
     def layer_arrays(self, layer: int) -> dict[str, mx.array]:
@@ -281,20 +327,21 @@ class KVCacheManager:
         """Drop the last n positions of every layer; returns n.
 
         A ring can give back at most the positions it keeps beyond its window
-        (max_rows); older ones were overwritten.
+        (max_rows); older ones were overwritten. A protected layer can give back the
+        max_rows FP16 rows its ring keeps beyond the window (its codes then follow).
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"trim needs a non-negative int, got {n!r}")
         for i, l in self._layers.items():
             if n > l.offset:
                 raise ValueError(f"cannot trim {n} positions: layer {i} holds only {l.offset}")
-            if l.ring_capacity is not None:
+            if l.ring_capacity is not None and l.quant is None:
                 lowest = max(0, l.offset - l.ring_capacity)  # oldest position still in the ring
-                keep_from = l.offset - n - l.spec.window + 1  # oldest the next token attends to
+                keep_from = l.offset - n - l.keep + 1  # oldest the next token attends to
                 if keep_from < lowest:
                     raise ValueError(
                         f"cannot trim {n} positions: sliding layer {i} keeps only "
-                        f"{l.ring_capacity - l.spec.window + 1} positions beyond its window"
+                        f"{l.ring_capacity - l.keep + 1} positions beyond its window"
                     )
             # A write not yet committed took ring slots of the oldest rows beyond the window.
             written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
@@ -324,7 +371,12 @@ class KVCacheManager:
         capacity an FP16 layer would have allocated for its positions)."""
         total = 0
         for l in self._layers.values():
-            rows = -(-l.offset // self.step) * self.step if l.recent_capacity else l.capacity
+            if l.recent_capacity:
+                rows = -(-l.offset // self.step) * self.step
+                if l.keep is not None:  # bounded: what an FP16 bounded ring would hold
+                    rows = min(rows, l.keep + self.max_rows - 1 + l.sink_rows)
+            else:
+                rows = l.capacity + l.sink_rows
             total += 2 * self.batch_size * l.spec.n_kv_heads * rows * l.spec.head_dim * 2
         return total
 
@@ -344,8 +396,11 @@ class KVCacheManager:
                     if l.recent_capacity:
                         kind += f" w{self.config.window_rows}s{self.config.sink_rows}"
                         kind += "c" if self.config.center_keys else ""
+                    if l.keep is not None:
+                        kind += f" keep={l.keep}"
                 elif l.ring_capacity is not None:
-                    kind = f"fp16 ring w={spec.window} cap={l.ring_capacity}"
+                    kind = f"fp16 ring w={l.keep} cap={l.ring_capacity}"
+                    kind += f" s{l.sink_rows}" if l.sink_rows else ""
                 else:
                     kind = "fp16"
                 nbytes, off = self.layer_nbytes(i), l.offset
@@ -498,9 +553,35 @@ class KVCacheManager:
             self._reserve(l, position + m)
             for name, r in rows.items():
                 self._put(l, name, position, r)
+            if position < l.sink_rows:  # a bounded ring's first positions, kept apart
+                n = min(l.sink_rows, position + m) - position
+                for side in SIDES:
+                    l.arrays[f"{side}_sinks"][:, :, position : position + n] = buf[side][:, :, :n]
         for side in SIDES:
             del self.stage.pending[(layer, side)]
         l.offset = position + m
+
+    def layer_keep(self, layer: int) -> int | None:
+        """Newest positions a query of `layer` reads besides its sink rows (a sliding window,
+        or what max_kv_size leaves); None if it reads every position."""
+        return self._layer(layer).keep
+
+    def sink_rows(self, layer: int) -> int:
+        """First positions `layer` keeps in FP16 apart from its ring or codes."""
+        return self._layer(layer).sink_rows
+
+    def code_positions(self, layer: int, end: int) -> mx.array:
+        """Position held by each code slot of a protected layer once `end` positions are
+        written (-1: none): slot s holds position s + sink_rows, or on a bounded layer the
+        newest such position whose slot is s modulo the ring."""
+        l = self._layer(layer)
+        n = self.quantized_end(layer, end) - l.sink_rows  # code rows written
+        s = mx.arange(l.capacity)
+        if l.ring_capacity is not None:
+            s_pos = s + l.ring_capacity * ((n - 1 - s) // l.ring_capacity)
+        else:
+            s_pos = s
+        return mx.where(s < n, s_pos + l.sink_rows, -1)
 
     def slot_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each storage slot [0, capacity) once `end` positions are written.
@@ -526,7 +607,8 @@ class KVCacheManager:
             raise ValueError(f"layer {layer} does not own storage in this {self.n_layers}-layer cache")
         l = self._layers[layer]
         if l.ring_capacity is not None:
-            raise ValueError(f"layer {layer} is a sliding-window ring; only growing layers can be set")
+            what = "a bounded (max_kv_size)" if l.keep != l.spec.window else "a sliding-window"
+            raise ValueError(f"layer {layer} is {what} ring; only growing layers can be set")
         layout = self._storage_layout(l) if arrays else {}
         if l.recent_capacity and not set(layout) & set(arrays):  # no row has left the window yet
             layout = {}

@@ -13,14 +13,16 @@ from ..quant.tables import SIDES
 
 
 def fixed_layout(l, config, batch_size: int, dtype: mx.Dtype) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
-    """Name -> (shape, dtype) of a protected layer's fixed-size arrays: the FP16 ring of recent
-    rows (at its full capacity), the FP16 sink rows and the key mean (empty for other layers)."""
-    if not l.recent_capacity:
-        return {}
+    """Name -> (shape, dtype) of a layer's fixed-size arrays: on a protected layer the FP16 ring
+    of recent rows (at its full capacity), the FP16 sink rows and the key mean; on a bounded
+    FP16 ring its sink rows; empty for other layers."""
     B, H, D = batch_size, l.spec.n_kv_heads, l.spec.head_dim
-    out = {f"{s}_recent": ((B, H, l.recent_capacity, D), dtype) for s in SIDES}
-    out.update({f"{s}_sinks": ((B, H, config.sink_rows, D), dtype) for s in SIDES})
-    if config.center_keys:
+    out = {}
+    if l.recent_capacity:
+        out.update({f"{s}_recent": ((B, H, l.recent_capacity, D), dtype) for s in SIDES})
+    if l.recent_capacity or l.sink_rows:
+        out.update({f"{s}_sinks": ((B, H, l.sink_rows, D), dtype) for s in SIDES})
+    if l.recent_capacity and config.center_keys:
         out["k_mean"] = ((B, H, D), mx.float32)
     return out
 
