@@ -42,6 +42,22 @@ def test_prefill_progress_bar_on_long_prompts(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 0 and "prefill [" in err and "300/300 tokens" in err
     assert "64/300 tokens" in err and "192/300 tokens" in err  # >= every 5%, chunks of >= 64 rows
+    assert "load [" in err and " MB" in err  # the weights being read, before the prefill
+
+
+def test_load_reports_the_bytes_it_reads(tmp_path):
+    import turbospark_mlx as ts
+    from mlx.utils import tree_flatten
+
+    path = write_hf_dir(tmp_path / "m", random_model())
+    calls = []
+    model, _ = ts.load(str(path), progress=lambda done, total: calls.append((done, total)))
+    sizes = [p.nbytes for _, p in tree_flatten(model.parameters())]
+    total = sum(sizes)
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    steps = [b[0] - a[0] for a, b in zip(calls, calls[1:])]
+    assert all(s > 0 for s in steps) and max(steps) <= total / 40 + max(sizes)  # groups of ~2.5%
+    assert len(calls) > 10
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch, capsys):

@@ -37,19 +37,22 @@ def default_model_path() -> Path:
 
 
 class _Progress:
-    """A one-line prefill progress bar on stderr, for long prompts on a terminal."""
+    """A one-line progress bar on stderr, on a terminal only: prefill tokens of a long prompt
+    (the default), or with `weights=True` the megabytes of weights read while a model loads."""
 
-    def __init__(self, width: int = 30):
+    def __init__(self, weights: bool = False, width: int = 30):
+        self.label, self.unit, self.scale = ("load", "MB", 1e6) if weights else ("prefill", "tokens", 1)
+        self.min_total = 0 if weights else PROGRESS_MIN_TOKENS
         self.width = width
 
     def __call__(self, done: int, total: int) -> None:
-        if total < PROGRESS_MIN_TOKENS or not sys.stderr.isatty():
+        if total < max(self.min_total, 1) or not sys.stderr.isatty():
             return
         filled = self.width * done // total
         end = "\n" if done >= total else ""
-        sys.stderr.write(
-            f"\rprefill [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} tokens{end}"
-        )
+        digits = 1 if self.unit == "MB" else 0
+        amount = f"{done / self.scale:.{digits}f}/{total / self.scale:.{digits}f} {self.unit}"
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {amount}{end}")
         sys.stderr.flush()
 
 
@@ -150,7 +153,8 @@ def _generate(args: argparse.Namespace) -> int:
     if sys.stderr.isatty() and rank == 0:
         print(f"loading {model_path}", file=sys.stderr, flush=True)
     # Under mlx.launch every rank loads its share and runs the same loop; rank 0 prints the text.
-    model, tokenizer = load(model_path, group=group, pipeline=args.pipeline)
+    bar = _Progress(weights=True) if rank == 0 else None
+    model, tokenizer = load(model_path, group=group, pipeline=args.pipeline, progress=bar)
     chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if args.system_prompt is not None and not chat:
         raise _ArgError("--system-prompt needs the model's chat template (this model has none, or "
@@ -159,7 +163,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = _after_prompt_cache(args, cache, meta, model, tokenizer, prompt, chat)
     draft = None
     if args.draft_model is not None:
-        draft, draft_tokenizer = load(args.draft_model)
+        draft, draft_tokenizer = load(args.draft_model, progress=_Progress(weights=True))
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             raise _ArgError(f"--draft-model: its tokenizer has {draft_tokenizer.vocab_size} tokens, the model's "
                             f"{tokenizer.vocab_size}; a draft model must share the model's vocabulary")
@@ -255,7 +259,7 @@ def _cache_prompt(args: argparse.Namespace) -> int:
             raise _ArgError(f"{flag} must be >= 1, got {getattr(args, flag[2:].replace('-', '_'))!r}")
     prompt = _read_prompt(args.prompt)
     model_path = args.model or str(default_model_path())
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, progress=_Progress(weights=True))
     chat = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
     if chat:
         ids = tokenizer.encode(chat_template_parts(tokenizer, args.system_prompt)[0] + prompt, add_special_tokens=False)
@@ -291,7 +295,7 @@ def _chat(args: argparse.Namespace) -> int:
     if _launched_group() is not None:
         raise _ArgError("chat runs in one process; under mlx.launch use `generate`")
     model_path = args.model or str(default_model_path())
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, progress=_Progress(weights=True))
     if getattr(tokenizer, "chat_template", None) is None:
         raise _ArgError(f"{model_path}: this model has no chat template; use `generate`")
     # A bounded cache may run past the model's context, as mlx-lm's --max-kv-size does.
@@ -369,7 +373,7 @@ def _server(args: argparse.Namespace) -> int:
             raise _ArgError(f"{flag} {what}, got {getattr(args, flag[2:].replace('-', '_'))!r}")
     model_path = args.model or str(default_model_path())
     print(f"loading {model_path}", file=sys.stderr, flush=True)
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, progress=_Progress(weights=True))
     engine = Engine(
         model, tokenizer, kv=args.kv, max_batch_size=args.max_batch_size,
         prefill_step_size=args.prefill_step_size, max_context=args.max_context, max_kv_size=args.max_kv_size,

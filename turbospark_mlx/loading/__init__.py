@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +27,7 @@ def load(
     dequantize: bool | None = None,
     group: mx.distributed.Group | None = None,
     pipeline: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load (model, tokenizer) from a GGUF file, a local HF directory or an HF repo id.
 
@@ -48,6 +49,9 @@ def load(
             this rank's run of layers; the other layers' tensors are never read from an HF
             checkpoint). Every rank calls `load` with the same arguments.
         pipeline: with `group`, split by layers instead of by heads.
+        progress: called as progress(bytes read, total bytes) while the weights are read
+            (not with lazy): after each group of tensors that reaches 2.5% of the bytes
+            (a larger tensor is a group of its own).
     Returns:
         (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`.
     Raises:
@@ -82,8 +86,26 @@ def load(
         else:
             model.shard(group)
     if not lazy:
-        mx.eval(model.parameters())
+        _read_weights(model, progress)
     return model, tokenizer
+
+
+def _read_weights(model: nn.Module, progress: Callable[[int, int], None] | None) -> None:
+    """Evaluate the parameters; with `progress`, in groups of about 1/40 of their bytes."""
+    params = [p for _, p in tree_flatten(model.parameters())]
+    if progress is None:
+        mx.eval(params)
+        return
+    total = sum(p.nbytes for p in params)
+    done, group = 0, []
+    progress(0, total)
+    for i, p in enumerate(params):
+        group.append(p)
+        if sum(a.nbytes for a in group) * 40 >= total or i == len(params) - 1:
+            mx.eval(group)
+            done += sum(a.nbytes for a in group)
+            group = []
+            progress(done, total)
 
 
 def _named(loader, path: Path, dtype: mx.Dtype | None):
