@@ -37,26 +37,32 @@ OUT = Path(__file__).resolve().parent / "results" / "passkey.json"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS))
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--context", type=int, nargs="+", default=[8192], help="one for all models, or one per model")
     ap.add_argument("--depths", type=int, default=3)
     ap.add_argument("--presets", nargs="+", default=["fp16", "k8v4", "tq4"])
     ap.add_argument("--step", type=int, default=512, help="prefill chunk rows")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    if len(args.context) not in (1, len(args.models)):
+        ap.error(f"--context takes one value or one per model ({len(args.models)})")
+    contexts = dict(zip(args.models, args.context * len(args.models) if len(args.context) == 1 else args.context))
 
     rows = []
     for name in args.models:
+        context = contexts[name]
         path = MODELS[name]()
         if path is None:
             print(f"{name}: not installed, skipped", file=sys.stderr)
             continue
         model, tokenizer = load(path)
-        prompts = passkey_prompts(tokenizer, args.context, args.depths, chat=True)
+        # Through the chat template where the model has one (an instruct model), else raw text.
+        chat = getattr(tokenizer, "chat_template", None) is not None
+        prompts = passkey_prompts(tokenizer, context, args.depths, chat=chat)
         for preset in args.presets:
             tic = time.perf_counter()
             say = lambda msg: print(f"[{time.perf_counter() - tic:7.1f} s] {name} {msg}", file=sys.stderr, flush=True)  # noqa: E731
-            result = passkey_score(model, tokenizer, get_preset(preset), prompts, args.context, args.step, say)
-            rows.append({"model": name, "preset": preset, "context": args.context, **result,
+            result = passkey_score(model, tokenizer, get_preset(preset), prompts, context, args.step, say)
+            rows.append({"model": name, "preset": preset, "context": context, **result,
                          "seconds": round(time.perf_counter() - tic, 1)})  # fmt: skip
             print(rows[-1]["preset"], rows[-1]["score"], file=sys.stderr)
 

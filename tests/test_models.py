@@ -103,6 +103,33 @@ def test_cached_decode_matches_mlx_lm(name):
     assert mx.abs(got - full).max().item() < 1e-4 * max(1.0, mx.abs(full).max().item())
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_bounded_cache_matches_mlx_lm_rotating_cache(name):
+    """max_kv_size=12 on the FP16 cache against mlx-lm's cache for --max-kv-size 12
+    (RotatingKVCache(12, keep=4) per layer), one token at a time past three rotations; and a
+    bounded tq4 cache prefilled in chunks equals its own one-token steps."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    ours, ref = model_pair(name)
+    x = tokens(40, seed=4)
+    cache = ts.make_cache(ours, kv="fp16", max_rows=8, max_kv_size=12)
+    ref_cache = [RotatingKVCache(max_size=12, keep=4) for _ in ref.layers]
+    got = mx.concatenate([ours(x[:, t : t + 1], cache=cache) for t in range(40)], axis=1)
+    want = mx.concatenate([ref(x[:, t : t + 1], cache=ref_cache) for t in range(40)], axis=1)
+    err = mx.abs(got - want).max().item()
+    assert err < 2e-3 * max(1.0, mx.abs(want).max().item()), err
+    assert mx.abs(got - ours(x)).max().item() > 1e-2  # the bound changes what is attended to
+    n, kv = 200, ts.get_preset("tq4").with_(window_rows=16)
+    y = tokens(n, seed=5)
+
+    def run(chunk: int) -> mx.array:
+        cache = ts.make_cache(ours, kv=kv, max_rows=16, max_kv_size=48)
+        return mx.concatenate([ours(y[:, s : s + chunk], cache=cache) for s in range(0, n, chunk)], axis=1)
+
+    steps, chunks = run(1), run(16)
+    assert mx.abs(chunks - steps).max().item() < 1e-4 * max(1.0, mx.abs(steps).max().item())
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv", ["tq4", "k4v3"])
 def test_chunked_prefill_matches_token_steps_on_turboquant_cache(name, kv):
