@@ -97,3 +97,57 @@ TS_FUNC void ts_fwht(TS_SPTR float* buf, uint tid) {
     TS_BARRIER();
   }
 }
+
+// Quantize one row of D coordinates with one SIMD group (32 lanes; the row's threadgroup
+// is that group): *norm = ||x - mean||, codes = the packed cells of Π (x - mean) / ||x - mean||.
+// mean is read only when CENTER. xs: D floats of threadgroup memory. A zero row maps to the
+// middle cell and decodes to 0 through its norm (as quantize_ref).
+template <int D, int BITS, int W, int ROT, bool CENTER, typename PX, typename PM, typename PR, typename PB,
+          typename PC, typename PN>
+TS_FUNC void ts_quantize_row(PX x, PM mean, PR rot, PB bnd, TS_SPTR float* xs, uint lane, PC codes, PN norm) {
+  float ss = 0.0f;
+  for (int j = lane; j < D; j += 32) {
+    const float v = static_cast<float>(x[j]) - (CENTER ? mean[j] : 0.0f);
+    ss += v * v;
+    xs[j] = (ROT == 0) ? v * rot[j] : v;
+  }
+  ss = ts_simd_sum(ss);
+  const float n = ts_sqrt(ss);
+  const float dn = ts_max(n, 1e-30f);
+  if (lane == 0) {
+    *norm = n;
+  }
+  TS_BARRIER();
+  if (ROT == 0) {
+    ts_fwht<D, 1, 32>(xs, lane);
+  }
+  const float inv = (ROT == 0) ? 1.0f / ts_sqrt((float)D) : 1.0f;
+  constexpr int W0 = (BITS == 3) ? (D + 15) / 16 : W;  // words of the first (low) plane
+  for (int w = lane; w < W; w += 32) {
+    const bool high = BITS == 3 && w >= W0;
+    const int width = BITS == 3 ? (high ? 1 : 2) : BITS;
+    const int per = 32 / width;
+    const int j0 = (high ? w - W0 : w) * per;
+    const int shift = high ? 2 : 0;
+    uint word = 0u;
+    for (int s = 0; s < per; s++) {
+      const int j = j0 + s;
+      if (j < D) {
+        float yr = 0.0f;
+        if (ROT == 0) {
+          yr = xs[j] * inv;
+        } else {
+          for (int i = 0; i < D; i++) yr += rot[j * D + i] * xs[i];
+        }
+        const float y = yr / dn;
+        // Branchless binary search: the count of boundaries strictly below y.
+        uint idx = 0u;
+        for (int step = 1 << (BITS - 1); step > 0; step >>= 1) {
+          idx += (y > bnd[idx + step - 1]) ? (uint)step : 0u;
+        }
+        word |= ((idx >> shift) & ((1u << width) - 1u)) << (s * width);
+      }
+    }
+    codes[w] = word;
+  }
+}

@@ -58,7 +58,9 @@ def _rot_info(side) -> tuple[int, ArgInfo]:
 def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
     """(inputs, output dtypes, template) of every launch shape the package makes, per op."""
     f32, u32, i32 = mx.float32, mx.uint32, mx.int32
-    out: dict[str, list] = {"tq_quantize": [], "tq_decode_attention": [], "tq_decode_reduce": []}
+    out: dict[str, list] = {
+        "tq_quantize": [], "tq_commit": [], "tq_dequantize": [], "tq_decode_attention": [], "tq_decode_reduce": []
+    }
     for d in HEAD_DIMS:
         for bits in BITS:
             side = side_quant(bits, d, "auto", 0, 0, "k")
@@ -69,6 +71,32 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                         [ArgInfo(dt, 2, 4 * d), rot, ArgInfo(f32, 1, max(8, 2**bits - 1))],
                         [u32, f32],
                         [("T", dt), ("D", d), ("BITS", bits), ("W", side.words), ("ROT", kind)],
+                    )
+                )
+            for dt, has_mean in ((mx.float16, False), (mx.bfloat16, True), (mx.float32, True)):
+                mean = ArgInfo(f32, 2, 8 * d) if has_mean else ArgInfo(f32, 1, 8)
+                out["tq_dequantize"].append(
+                    (
+                        [ArgInfo(u32, 3, 8 * 64 * side.words), ArgInfo(f32, 2, 8 * 64),
+                         ArgInfo(mx.uint8, 1, 50), ArgInfo(f32, 1, max(8, 2**bits)), rot, mean],
+                        [dt],
+                        [("OT", dt), ("D", d), ("BITS", bits), ("W", side.words), ("ROT", kind),
+                         ("HAS_MEAN", has_mean), ("NR", 8)],
+                    )
+                )
+    for d in HEAD_DIMS:
+        for kb, vb in ((4, 4), (8, 4), (3, 3), (2, 8), (1, 2)):
+            q = _quant(kb, vb, d)
+            (kkind, krot), (vkind, vrot) = _rot_info(q.k), _rot_info(q.v)
+            for dt, center in ((mx.float16, True), (mx.bfloat16, False)):
+                out["tq_commit"].append(
+                    (
+                        [ArgInfo(dt, 3, 8 * 640 * d), ArgInfo(dt, 3, 8 * 640 * d), ArgInfo(mx.uint8, 1, 300),
+                         ArgInfo(mx.uint8, 1, 2), ArgInfo(f32, 2, 8 * d) if center else ArgInfo(f32, 1, 8),
+                         krot, ArgInfo(f32, 1, max(8, 2**kb - 1)), vrot, ArgInfo(f32, 1, max(8, 2**vb - 1))],
+                        [u32, f32, u32, f32],
+                        [("T", dt), ("D", d), ("KB", kb), ("KW", q.k.words), ("KROT", kkind), ("VB", vb),
+                         ("VW", q.v.words), ("VROT", vkind), ("RCAP", 640), ("CENTER", center)],
                     )
                 )
     seen = set()
@@ -278,7 +306,10 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
     f32, u32, i32 = mx.float32, mx.uint32, mx.int32
     qdt = (mx.float16, mx.bfloat16, mx.float32)[i % 3]
     q = _quant(kb, vb, d)
-    plan = _mma_plan_of(kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt)
+    has_extra = i % 3 == 1
+    plan = _mma_plan_of(
+        kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt, has_extra=has_extra
+    )
     ins = [
         ArgInfo(qdt, 4, 8 * g * m * d),
         ArgInfo(mx.uint8, 4, 8 * 4096 * 4 * q.k.words),  # the codes' words as bytes
@@ -287,6 +318,7 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
         ArgInfo(f32, 3, 8 * 4096),
         *[ArgInfo(a.dtype, a.ndim, a.size) for a in plan["tables"]],
         ArgInfo(f32, 1, 8),
+        ArgInfo(f32, 3, 8 * g * m * (d + 3)) if has_extra else ArgInfo(f32, 1, 8),  # extra
         ArgInfo(mx.uint8, 1, 5000),
         ArgInfo(mx.uint8, 1, 1),
         ArgInfo(i32, 1, 8),
@@ -357,3 +389,34 @@ def test_per_step_integers_travel_as_array_lengths():
         )
         body = cuda_body(op, template)
         assert "(void)qpos_shape;" in body and "(void)kv0_shape;" in body
+
+
+def test_cuda_dense_partial_compiles_with_nvcc(tmp_path):
+    """The FP16-row partial kernel (CUDA only) compiled by nvcc for sm_90a at the shapes the
+    protected presets use: Hadamard and dense Π_V, with and without the key mean and starts."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to compile the CUDA-only kernel")
+    f32, i32 = mx.float32, mx.int32
+    for i, (d, g, m, s, w, dt) in enumerate(((128, 4, 1, 4, 128, mx.bfloat16), (96, 2, 3, 0, 64, mx.float16))):
+        side = side_quant(4, d, "auto", 0, 0, "v")
+        kind, rot = _rot_info(side)
+        ins = [
+            ArgInfo(dt, 4, 8 * g * m * d),
+            *[ArgInfo(dt, 4, 8 * max(s, 1) * d)] * 2,
+            *[ArgInfo(dt, 4, 8 * (w + 64) * d)] * 2,
+            ArgInfo(f32, 3, 8 * d) if i == 0 else ArgInfo(f32, 1, 8),
+            rot,
+            ArgInfo(mx.uint8, 1, 5000),
+            ArgInfo(mx.uint8, 1, 1),
+            ArgInfo(i32, 1, 8),
+        ]
+        template = [("D", d), ("G", g), ("M", m), ("R", g * m), ("S", s), ("W", w), ("RCAP", w + 64),
+                    ("KMAX", s + w), ("NT", 128), ("SCALE_BITS", 1040187392), ("HAS_MEAN", i == 0),
+                    ("HAS_STARTS", i == 1), ("VROT", kind)]
+        path = tmp_path / f"dense_{i}.cu"
+        path.write_text('#include "mlx_device.cuh"\n' + cuda_source("tq_dense_partial", ins, [f32], template))
+        cmd = [nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"dense_{i}.cubin")]
+        cmd += ["-expt-relaxed-constexpr", f"-I{CUDA_SHIM.parent}", str(path)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, (d, r.stderr[-4000:])

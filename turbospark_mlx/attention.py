@@ -25,7 +25,16 @@ from .cache import KVCacheManager
 from .cache.window import ring_rows
 from .gpu import backend as _backend
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
+from .gpu.decode_mma import mma_launch
+from .gpu.dense import tq_dense_partial
+from .gpu.dequantize import tq_dequantize
 from .quant.reference import tq_attention_ref
+from .quant.tables import SIDES
+
+# Query rows from which a compressed layer's call on a GPU reads the history as rows decoded
+# once per call (tq_dequantize) under MLX's fused attention, instead of the decode kernels,
+# which re-read the codes for every few rows (benchmarks/results/generate_e2e.md).
+PREFILL_MIN_ROWS = 64
 
 
 def attention_mask(
@@ -95,9 +104,11 @@ def attention_any(
     q_pos = mx.arange(position, end)
 
     if quant is not None:
-        if cache.config.is_protected:
-            return _protected_attention(cache, layer, queries, position, scale, sinks, kv_start)
         backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
+        if backend != "reference" and M >= PREFILL_MIN_ROWS:
+            return _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, backend)
+        if cache.config.is_protected:
+            return _protected_attention(cache, layer, queries, position, scale, sinks, kv_start, backend)
         if backend != "reference":
             return tq_decode_attention(
                 queries,
@@ -150,18 +161,52 @@ def attention_any(
     )
 
 
-def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array:
+def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, backend) -> mx.array:
+    """M query rows of a compressed layer over its history decoded to rows of the queries'
+    dtype (one dequantize launch per side) under `mx.fast.scaled_dot_product_attention`,
+    causal inside the chunk. A protected layer's positions from position - window_rows on
+    come from its FP16 ring: each row reads at least the FP16 rows a one-token step reads."""
+    config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
+    M, dt = queries.shape[2], queries.dtype
+    end = position + M
+    k_mean = arrays.get("k_mean") if config.center_keys else None
+    sides = {}
+    for s in SIDES:
+        mean = k_mean if s == "k" else None
+        if not config.is_protected:
+            sides[s] = tq_dequantize(arrays[f"{s}_codes"], arrays[f"{s}_norms"], quant.side(s), end, dt, None, backend)
+            continue
+        S, W = config.sink_rows, config.window_rows
+        lo = min(max(S, position - W), end)  # positions [lo, end) from the ring
+        parts = [arrays[f"{s}_sinks"][:, :, : min(S, end)].astype(dt)]
+        if lo > S:
+            codes, norms = arrays[f"{s}_codes"], arrays[f"{s}_norms"]
+            parts.append(tq_dequantize(codes, norms, quant.side(s), lo - S, dt, mean, backend))
+        if end > lo:
+            parts.append(ring_rows(arrays[f"{s}_recent"], lo, end, cache.recent_capacity(layer)).astype(dt))
+        sides[s] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    keys, values = sides["k"], sides["v"]
+    if isinstance(kv_start, int):
+        keys, values, mask = keys[:, :, kv_start:], values[:, :, kv_start:], "causal"
+    else:
+        mask = attention_mask(mx.arange(end), mx.arange(position, end), kv_start)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start, backend) -> mx.array:
     """A protected TurboQuant layer: each query row t reads its sink rows and the positions
     (t - window, t] in FP16 and older positions from the codes, in one softmax (on a bounded
     layer only those after t - keep)."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W, keep = config.sink_rows, config.window_rows, cache.layer_keep(layer)
     B, Hq, M, D = queries.shape
-    group = Hq // cache.specs[cache.owner(layer)].n_kv_heads
-    backend = _backend.resolve(tq_decode_unsupported(quant, group, D))
     if backend == "reference" and M == 1 and isinstance(kv_start, int):
         return _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start)
     end = position + M
+    if backend == "cuda" and position >= S + W:  # every row reads codes: the decode step's path
+        out = _protected_mma(cache, layer, queries, position, scale, sinks, kv_start)
+        if out is not None:
+            return out
     t = mx.arange(position, end)[:, None]  # (M, 1) query positions
     start = mx.array(kv_start).reshape(-1, 1, 1, 1)
     # FP16 rows: the sink rows from their array, the window from the ring.
@@ -248,6 +293,26 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
         queries, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean,
         dense=None if keys is None else (keys, values, None),
     )  # fmt: skip
+
+
+def _protected_mma(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array | None:
+    """A protected layer on CUDA in two launches: the FP16 rows' partial (tq_dense_partial),
+    then the tensor-core kernel over the codes, which merges it. None if the tensor-core
+    kernel cannot take these rows in one launch."""
+    config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
+    S, W = config.sink_rows, config.window_rows
+    starts = isinstance(kv_start, mx.array)
+    mma = mma_launch(quant, queries, arrays["k_recent"].shape[1], scale, starts, sinks is not None, has_extra=True)
+    if mma.reason is not None or mma.per < queries.shape[2]:
+        return None
+    extra = tq_dense_partial(
+        queries, arrays, quant.v, scale=scale, position=position, kv_start=kv_start,
+        sink_rows=S, window_rows=W, ring_capacity=cache.recent_capacity(layer),
+    )
+    # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
+    shifted = mx.maximum(kv_start - S, 0) if starts else max(kv_start - S, 0)
+    codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+    return mma(queries, *codes, position - W - S, shifted, sinks, extra=extra)
 
 
 def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: mx.array | None) -> None:

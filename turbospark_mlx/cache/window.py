@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..gpu.quantize import tq_quantize
+from ..gpu import backend as _backend
+from ..gpu.args import bits_reason
+from ..gpu.quantize import tq_commit, tq_quantize
 from ..quant.tables import SIDES
 
 
@@ -82,13 +84,19 @@ def commit(cache, l, position: int, m: int) -> None:
     if cache.config.center_keys and q0 == S:  # the first quantized rows: estimate the mean
         l.arrays["k_mean"] = ring_rows(l.arrays["k_recent"], S, S + W, R).astype(mx.float32).mean(axis=2)
     k_mean = l.arrays["k_mean"] if cache.config.center_keys else None
-    for side in SIDES:
-        rows = ring_rows(l.arrays[f"{side}_recent"], q0, q1, R)
-        if side == "k" and k_mean is not None:
-            rows = rows.astype(mx.float32) - k_mean[:, :, None, :]
-        codes, norms = tq_quantize(rows, l.quant.side(side))
-        cache._put(l, f"{side}_codes", q0 - S, codes)  # slot p - S: the sink rows have no codes
-        cache._put(l, f"{side}_norms", q0 - S, norms)
+    quant, a = l.quant, l.arrays
+    backend = _backend.resolve(bits_reason(quant.k, "K") or bits_reason(quant.v, "V"))
+    if backend != "reference":  # both sides in one launch
+        rows = tq_commit(a["k_recent"], a["v_recent"], q0, q1 - q0, quant, R, k_mean, backend)
+    else:
+        rows = []
+        for side in SIDES:
+            x = ring_rows(a[f"{side}_recent"], q0, q1, R)
+            if side == "k" and k_mean is not None:
+                x = x.astype(mx.float32) - k_mean[:, :, None, :]
+            rows.extend(tq_quantize(x, quant.side(side), backend))
+    for name, r in zip(("k_codes", "k_norms", "v_codes", "v_norms"), rows):
+        cache._put(l, name, q0 - S, r)  # slot p - S: the sink rows have no codes
 
 
 def ring_rows(ring: mx.array, p0: int, p1: int, capacity: int) -> mx.array:

@@ -74,6 +74,12 @@ SPECS: dict[str, KernelSpec] = {
     for s in (
         KernelSpec("tq_quantize", ("x", "rot", "bnd"), ("codes", "norms")),
         KernelSpec(
+            "tq_commit",
+            ("k_ring", "v_ring", "first", "count", "k_mean", "k_rot", "k_bnd", "v_rot", "v_bnd"),
+            ("k_codes", "k_norms", "v_codes", "v_norms"),
+        ),
+        KernelSpec("tq_dequantize", ("codes", "norms", "count", "cent", "rot", "mean"), ("out",)),
+        KernelSpec(
             "tq_decode_attention",
             (
                 "q",
@@ -91,6 +97,13 @@ SPECS: dict[str, KernelSpec] = {
             ("part_o", "part_ms"),
         ),
         KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot"), ("out",)),
+        # A protected layer's FP16 rows as one partial for the tensor-core kernel's merge.
+        KernelSpec(
+            "tq_dense_partial",
+            ("q", "k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean", "v_rot", "qpos", "kv0", "kv_starts"),
+            ("part",),
+            backends=("cuda",),
+        ),
         # Tensor-core decode (mma.sync), one launch: NVIDIA only.
         KernelSpec(
             "tq_decode_mma",
@@ -102,6 +115,7 @@ SPECS: dict[str, KernelSpec] = {
                 "v_norms",
                 "tables",
                 "sinks",
+                "extra",
                 "qpos",
                 "kv0",
                 "kv_starts",

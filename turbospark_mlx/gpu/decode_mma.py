@@ -18,7 +18,7 @@ import numpy as np
 
 from ..quant.tables import LayerQuant, SideQuant
 from . import backend as _backend
-from .args import TABLES, resident, rotation_arg, sinks_arg, split_rows, step_args
+from .args import _ZEROS8, TABLES, resident, rotation_arg, sinks_arg, split_rows, step_args
 from .build import LAUNCHES, cuda_kernel
 
 # tq_decode_mma's scratch: per (b, KV head) a ticket word, zero between launches (each
@@ -153,6 +153,7 @@ def _mma_config(
     has_starts: bool,
     has_sink: bool,
     out_dtype: mx.Dtype,
+    has_extra: bool = False,
 ) -> MmaConfig:
     """The MmaConfig of a call shape, cached beside the K tables: a decode step only adds
     the split count (the kernel derives keys per warp from it)."""
@@ -168,11 +169,12 @@ def _mma_config(
         has_starts,
         has_sink,
         out_dtype,
+        has_extra,
     )
     cfg = cache.get(key)
     if cfg is None:
         cfg = cache[key] = _mma_config_uncached(
-            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype
+            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra
         )
     return cfg
 
@@ -197,7 +199,7 @@ def _mma_tables(quant: LayerQuant) -> tuple[mx.array, dict[str, int]]:
     return merged, {"VTAB_AT": at[1], "KROT_AT": at[2], "VROT_AT": at[3]}
 
 
-def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype):
+def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra=False):
     tables, offsets = _mma_tables(quant)
     R = group * rows
     RP = 8 if R <= 8 else 16
@@ -257,6 +259,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]),
         ("HAS_STARTS", has_starts),
         ("HAS_SINK", has_sink),
+        ("HAS_EXTRA", has_extra),
         ("VLUT_OFF", vlut_off),
         ("PL", pl),
         *offsets.items(),
@@ -293,9 +296,10 @@ def mma_plan(
     has_sink: bool,
     out_dtype: mx.Dtype,
     tiles_per_warp: int | None = None,
+    has_extra: bool = False,
 ) -> dict:
     """Template values, launch shape and shared memory of one tq_decode_mma call."""
-    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype)
+    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra)
     tiles = -(-end // 16)
     splits = _mma_splits(cfg, tiles, n_seq_heads, tiles_per_warp)
     return dict(
@@ -345,7 +349,7 @@ class MmaLaunch:
     call is what bounds decode, and a decode step repeats one shape per layer. `reason`: why
     the kernel cannot serve the shape (then the rest is unset), or None."""
 
-    def __init__(self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink):
+    def __init__(self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra=False):
         B, Hq, M, D = queries.shape
         G = Hq // Hkv
         self.reason = tq_mma_unsupported(quant, G, M, D)
@@ -363,7 +367,7 @@ class MmaLaunch:
         self._kernel = None
         if self.per < M:  # launches of `per` rows each (split_rows), each its own shape
             return
-        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype)
+        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra)
         self.tables = self.cfg.tables[0]
         self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
         self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
@@ -371,8 +375,12 @@ class MmaLaunch:
         self.output_shapes = [(B, Hq, M, D)]
         self.output_dtypes = [queries.dtype]
 
-    def __call__(self, queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, tiles_per_warp=None):
+    def __call__(
+        self, queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, tiles_per_warp=None, extra=None
+    ):
         if self.per < self.rows:
+            if extra is not None:
+                raise _backend.KernelUnsupported(f"{self.rows} query rows take several launches: no FP16-row partial")
             return split_rows(
                 tq_decode_mma,
                 self.per,
@@ -407,6 +415,7 @@ class MmaLaunch:
                 v_norms,
                 self.tables,  # K table, V table, Π_K, Π_V
                 sinks_arg(sinks),
+                _ZEROS8 if extra is None else extra,
                 *step_args(position, kv_start, self.batch),
                 *chain,  # scratch, after
             ],
@@ -437,11 +446,13 @@ class MmaLaunch:
         return shape
 
 
-def mma_launch(quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink) -> MmaLaunch:
+def mma_launch(
+    quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra: bool = False
+) -> MmaLaunch:
     """The MmaLaunch of a call shape, cached beside the K tables (dropped with the layer)."""
     cache = TABLES.get(quant.k) or TABLES.setdefault(quant.k, {})
-    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink)
+    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra)
     launch = cache.get(key)
     if launch is None:
-        launch = cache[key] = MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink)
+        launch = cache[key] = MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink, has_extra)
     return launch
