@@ -105,7 +105,8 @@ def attention_any(
 
     if quant is not None:
         backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
-        if backend != "reference" and M >= PREFILL_MIN_ROWS:
+        # A bounded layer's codes are a ring: its rows take _protected_attention's paths.
+        if backend != "reference" and M >= PREFILL_MIN_ROWS and cache.layer_keep(layer) is None:
             return _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, backend)
         if cache.config.is_protected:
             return _protected_attention(cache, layer, queries, position, scale, sinks, kv_start, backend)
@@ -203,7 +204,7 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     if backend == "reference" and M == 1 and isinstance(kv_start, int):
         return _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start)
     end = position + M
-    if backend == "cuda" and position >= S + W:  # every row reads codes: the decode step's path
+    if backend == "cuda" and position >= S + W and keep is None:  # every row reads codes: the decode step's path
         out = _protected_mma(cache, layer, queries, position, scale, sinks, kv_start)
         if out is not None:
             return out
