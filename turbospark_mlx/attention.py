@@ -191,6 +191,7 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         keys, values, mask = keys[:, :, kv_start:], values[:, :, kv_start:], "causal"
     else:
         mask = attention_mask(mx.arange(end), mx.arange(position, end), kv_start)
+    sinks = None if sinks is None else sinks.astype(dt)  # MLX's fused attention takes them in the output dtype
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
