@@ -33,7 +33,9 @@ from .quant.tables import SIDES
 
 # Query rows from which a compressed layer's call on a GPU reads the history as rows decoded
 # once per call (tq_dequantize) under MLX's fused attention, instead of the decode kernels,
-# which re-read the codes for every few rows (benchmarks/results/generate_e2e.md).
+# which re-read the codes for every few rows. Prefill chunks (2048 rows) take it, a
+# speculative verify (a few rows) does not; the whole-model prefill it gives is in
+# benchmarks/results/generate_e2e.md, the crossover between 4 and 2048 rows is not measured.
 PREFILL_MIN_ROWS = 64
 
 
