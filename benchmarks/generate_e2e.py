@@ -48,7 +48,7 @@ from mlx_lm.models import llama as mlx_lm_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from turbospark_mlx import KVCacheManager, make_cache  # noqa: E402
+from turbospark_mlx import KVCacheManager, get_preset, make_cache  # noqa: E402
 from turbospark_mlx.gpu.backend import auto_backend  # noqa: E402
 from turbospark_mlx.gpu.build import LAUNCHES  # noqa: E402
 from turbospark_mlx.mlx_lm import make_prompt_cache  # noqa: E402
@@ -65,6 +65,8 @@ ROWS = {
     "mlx-lm tq3": ("mlx-lm", "tq3"),
     "own fp16": ("own", "fp16"),
     "own tq4": ("own", "tq4"),
+    # tq4 without its FP16 window, sink rows and key centring: what the protection costs.
+    "own tq4-plain": ("own", get_preset("tq4").plain()),
 }
 COMMON = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 SHAPES = {  # hidden, layers, intermediate, query heads, KV heads, head_dim, vocab
