@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
     not BENCH.is_file(), reason="needs the repository's benchmarks/ (not in the sdist)"
 )
 
-ROWS = ("mlx-lm fp16", "mlx-lm tq4", "mlx-lm k8v4", "mlx-lm tq3", "own fp16", "own tq4")
+ROWS = ("mlx-lm fp16", "mlx-lm tq4", "mlx-lm k8v4", "mlx-lm tq3", "own fp16", "own tq4", "own tq4-plain")
 
 
 @pytest.fixture(scope="module")
