@@ -277,6 +277,9 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
     lo = max(kv_start, S, t - W + 1)  # the window's first position read
     dense = []
     for side in ("k", "v"):
+        if t < min(R, S + W):  # the ring still holds [0, t] in slots [0, t]: one slice, no copy
+            dense.append(arrays[f"{side}_recent"][:, :, kv_start : t + 1])
+            continue
         rows = [arrays[f"{side}_sinks"][:, :, kv_start : min(S, t + 1)]] if kv_start < S else []
         if lo <= t:
             rows.append(ring_rows(arrays[f"{side}_recent"], lo, t + 1, R))
