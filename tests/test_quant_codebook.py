@@ -92,3 +92,19 @@ def test_bad_codebook_requests():
         lloyd_max_codebook(128, 5)
     with pytest.raises(ValueError, match="head_dim"):
         lloyd_max_codebook(4, 2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_nearest_index_comparison_and_search_agree(bits, monkeypatch):
+    """A few rows are indexed by one broadcast comparison, many by the binary search: the
+    same cells, values lying exactly on a boundary included (a boundary is not below itself)."""
+    from turbospark_mlx.quant import reference
+
+    side = side_quant(bits, 64, "auto", 0, 0, "k")
+    on_edges = mx.take(side.boundaries, mx.arange(64) % side.boundaries.size)
+    y = mx.concatenate([mx.random.normal((4, 3, 64)) * 0.2, mx.broadcast_to(on_edges, (1, 3, 64))])
+    compared = reference.nearest_index_ref(y, side.boundaries, bits)
+    monkeypatch.setattr(reference, "COMPARE_ALL_MAX", -1)
+    searched = reference.nearest_index_ref(y, side.boundaries, bits)
+    assert mx.array_equal(compared, searched).item()
+    assert int(compared.max()) <= (1 << bits) - 1
