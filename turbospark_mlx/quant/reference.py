@@ -26,8 +26,9 @@ from .tables import LayerQuant, SideQuant
 REF_KEY_BLOCK = 256
 
 
-# Largest y.size * boundaries for which the cell index is one broadcast comparison (a decode
-# step's rows: 3 ops instead of the search's 4 per bit, which dominate a CPU step's quantize).
+# Largest y.size * boundaries for which the cell index is one broadcast comparison, whose
+# boolean transient is that many bytes (4 MiB): a decode step's rows take it, 3 ops in all
+# instead of the search's 4 per bit (benchmarks/results/cpu_speed.md has the step it serves).
 COMPARE_ALL_MAX = 1 << 22
 
 
