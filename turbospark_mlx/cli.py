@@ -559,6 +559,14 @@ def _version() -> str:
     return __version__
 
 
+def _add_max_kv_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-kv-size", type=int, default=None, metavar="N",
+        help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
+        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="turbospark-mlx", description="MLX generation with a TurboQuant KV cache"
@@ -585,8 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--stop", action="append", help="stop string (repeatable)")
     common.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     common.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
-    common.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
-        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
+    _add_max_kv_size(common)
     common.add_argument(
         "--verbose", type=_bool, default=True, metavar="{true,false}",
         help="the stats line on stderr after the text (default true)",
@@ -629,8 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--ignore-chat-template", action="store_true", help="cache the prompt as raw text")
     cp.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     cp.add_argument("--max-context", type=int, default=None, help="positions the cache may hold (default: the model's context length)")
-    cp.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
-        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
+    _add_max_kv_size(cp)
     cp.set_defaults(func=_cache_prompt)
     c = sub.add_parser(
         "chat",
@@ -653,8 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-size", type=int, default=8, help="requests generating together; more wait (default %(default)s)")
     s.add_argument("--prefill-step-size", type=int, default=512, help="prompt rows per model call (default %(default)s)")
     s.add_argument("--max-context", type=int, default=None, help="positions a request may use (default: the model's context length)")
-    s.add_argument("--max-kv-size", type=int, default=None, metavar="N", help="keep each layer's first 4 positions and newest N - 4 (a protected layer: its sink rows), "
-        "so memory stops growing; the context may then exceed the model's, as with mlx_lm's flag")
+    _add_max_kv_size(s)
     s.set_defaults(func=_server)
     _add_eval_parser(sub)
     return ap
