@@ -97,14 +97,15 @@ def _read_weights(model: nn.Module, progress: Callable[[int, int], None] | None)
         mx.eval(params)
         return
     total = sum(p.nbytes for p in params)
-    done, group = 0, []
+    done, group, size = 0, [], 0
     progress(0, total)
     for i, p in enumerate(params):
         group.append(p)
-        if sum(a.nbytes for a in group) * 40 >= total or i == len(params) - 1:
+        size += p.nbytes
+        if size * 40 >= total or i == len(params) - 1:
             mx.eval(group)
-            done += sum(a.nbytes for a in group)
-            group = []
+            done += size
+            group, size = [], 0
             progress(done, total)
 
 

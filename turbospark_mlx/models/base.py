@@ -101,6 +101,17 @@ def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes:
     return group
 
 
+def shard_attention_projections(attn, group: mx.distributed.Group) -> None:
+    """Q/K/V keep 1/N of their output columns (this rank's heads); o_proj all-sums the partial
+    outputs. The caller divides the module's head counts, whose names differ per family."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
+    attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
+    attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
+    attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+
+
 def shard_blocks(layers, group: mx.distributed.Group) -> None:
     """The standard tensor-parallel split of every block this rank holds (mlx-lm's): Q/K/V and
     the MLP's gate/up keep 1/N of their output columns, o_proj and down_proj all-sum the
@@ -112,10 +123,7 @@ def shard_blocks(layers, group: mx.distributed.Group) -> None:
         if layer is None:  # another pipeline stage's layer
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
-        attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
-        attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
-        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        shard_attention_projections(attn, group)
         attn.n_heads //= N
         attn.n_kv_heads //= N
         mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)

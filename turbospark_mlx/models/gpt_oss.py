@@ -20,11 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gpt_oss as _mlx_gpt_oss
 from mlx_lm.models.gpt_oss import MLPBlock
-from mlx.nn.layers.distributed import shard_inplace, shard_linear
+from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import KVCacheManager, LayerSpec
-from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_group
+from .base import BaseModelArgs, PipelineMixin, cache_for_call, cached_attention, shard_attention_projections, shard_group
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -177,10 +177,7 @@ class Model(nn.Module):
             if layer is None:  # another pipeline stage's layer
                 continue
             attn, experts = layer.self_attn, layer.mlp.experts
-            attn.q_proj = shard_linear(attn.q_proj, "all-to-sharded", group=group)
-            attn.k_proj = shard_linear(attn.k_proj, "all-to-sharded", group=group)
-            attn.v_proj = shard_linear(attn.v_proj, "all-to-sharded", group=group)
-            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            shard_attention_projections(attn, group)
             attn.num_attention_heads //= N
             attn.num_key_value_heads //= N
             h = attn.num_attention_heads
