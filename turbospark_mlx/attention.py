@@ -28,6 +28,7 @@ from .gpu.decode import tq_decode_attention, tq_decode_unsupported
 from .gpu.decode_mma import mma_launch
 from .gpu.dense import tq_dense_partial
 from .gpu.dequantize import tq_dequantize
+from .quant.compiled import protected_step_ref
 from .quant.reference import tq_attention_ref
 from .quant.tables import SIDES
 
@@ -269,7 +270,7 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
     """One query row of a protected layer on the reference backend (a decode step): only the
     rows it reads go in, so no position mask is built. Its sink rows and the window
     (t - window, t] are sliced from their arrays; before any row has codes this is MLX's
-    fused attention over them, after it the codes join in one softmax."""
+    fused attention over them, after it the codes join in one softmax (one compiled graph)."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W, R = config.sink_rows, config.window_rows, cache.recent_capacity(layer)
     keep = cache.layer_keep(layer)
@@ -296,6 +297,9 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
     else:  # code slot (p - S) modulo the ring
         codes = [ring_rows(arrays[n], first - S, q_end - S, cache.ring_capacity(layer)) for n in names]
     key_mean = arrays["k_mean"] if config.center_keys else None
+    out = protected_step_ref(queries, keys, values, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean)
+    if out is not None:
+        return out
     return tq_attention_ref(
         queries, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean,
         dense=None if keys is None else (keys, values, None),

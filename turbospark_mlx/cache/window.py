@@ -11,6 +11,7 @@ import mlx.core as mx
 from ..gpu import backend as _backend
 from ..gpu.args import bits_reason
 from ..gpu.quantize import tq_commit, tq_quantize
+from ..quant.compiled import commit_row_ref
 from ..quant.tables import SIDES
 
 
@@ -88,6 +89,9 @@ def commit(cache, l, position: int, m: int) -> None:
     backend = _backend.resolve(bits_reason(quant.k, "K") or bits_reason(quant.v, "V"))
     if backend != "reference":  # both sides in one launch
         rows = tq_commit(a["k_recent"], a["v_recent"], q0, q1 - q0, quant, R, k_mean, backend)
+    elif q1 - q0 == 1:  # a decode step's row: one compiled graph
+        s = q0 % R
+        rows = commit_row_ref(a["k_recent"][:, :, s : s + 1], a["v_recent"][:, :, s : s + 1], quant, k_mean)
     else:
         rows = []
         for side in SIDES:

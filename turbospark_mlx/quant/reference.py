@@ -58,10 +58,23 @@ def quantize_ref(x: mx.array, tables: SideQuant) -> tuple[mx.array, mx.array]:
     return pack_indices(idx, tables.bits), norms
 
 
+def centroids_of(codes: mx.array, tables: SideQuant) -> mx.array:
+    """c[idx] of (..., words) packed codes: (..., d) float32.
+
+    Where the bits allow, one gather per 16-bit half word (`SideQuant.half_word_table`);
+    otherwise the indices are unpacked and gathered one by one. Both give the same values.
+    """
+    table = tables.half_word_table
+    if table is None:
+        return mx.take(tables.centroids, unpack_indices(codes, tables.bits, tables.head_dim))
+    rows = mx.take(table, codes.view(mx.uint16), axis=0)  # (..., 2 * words, 16 // bits)
+    rows = rows.reshape(*codes.shape[:-1], -1)
+    return rows if rows.shape[-1] == tables.head_dim else rows[..., : tables.head_dim]
+
+
 def dequantize_rotated_ref(codes: mx.array, norms: mx.array, tables: SideQuant) -> mx.array:
     """||x|| · c[idx]: the reconstruction in the rotated space, float32."""
-    idx = unpack_indices(codes, tables.bits, tables.head_dim)
-    return mx.take(tables.centroids, idx) * norms[..., None]
+    return centroids_of(codes, tables) * norms[..., None]
 
 
 def dequantize_ref(codes: mx.array, norms: mx.array, tables: SideQuant) -> mx.array:

@@ -6,14 +6,15 @@ that use them are in `reference.py`; the GPU kernels in `turbospark_mlx.gpu`.
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from .codebook import lloyd_max_codebook
-from .packing import packed_words
+from .packing import PLANES, packed_words
 from .rotation import Rotation, seeded_rng
 
 SIDES = ("k", "v")
@@ -38,6 +39,23 @@ class SideQuant:
     centroids: mx.array
     boundaries: mx.array
     words: int
+
+    @cached_property
+    def half_word_table(self) -> mx.array | None:
+        """(65536, 16 // bits) float32: the centroids of the coordinates one 16-bit half of a
+        packed word holds, in coordinate order; None where a half word does not hold whole
+        indices of one plane (3-bit codes) or the machine is big-endian.
+
+        A lookup by half word decodes 2 (8-bit) or 4 (4-bit) coordinates per gather: MLX's CPU
+        gather costs about the same per index at any slice size, so decoding takes 2-4x less
+        time than a gather per coordinate (docs/decode_kernels.md, "The CPU backend").
+        """
+        if len(PLANES[self.bits]) != 1 or self.bits > 8 or sys.byteorder != "little":
+            return None
+        per_half, mask = 16 // self.bits, (1 << self.bits) - 1
+        halves = np.arange(1 << 16, dtype=np.uint32)[:, None]
+        idx = (halves >> (np.arange(per_half, dtype=np.uint32) * self.bits)) & mask
+        return mx.array(np.asarray(self.centroids)[idx])
 
     def fingerprint(self) -> str:
         """A digest of the tables, to tell whether stored codes still decode the same."""

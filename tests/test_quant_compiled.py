@@ -1,0 +1,94 @@
+"""The reference backend's compiled one-row paths (quant/compiled.py) and the half-word
+centroid lookup against the oracles in quant/reference.py."""
+
+import mlx.core as mx
+import pytest
+
+from turbospark_mlx.quant.compiled import STEP_MAX_ROWS, commit_row_ref, protected_step_ref
+from turbospark_mlx.quant.packing import pack_indices
+from turbospark_mlx.quant.reference import centroids_of, quantize_ref, tq_attention_ref
+from turbospark_mlx.quant.tables import LayerQuant, side_quant
+
+
+def layer_quant(k_bits: int, v_bits: int, head_dim: int, rotation: str = "auto") -> LayerQuant:
+    k = side_quant(k_bits, head_dim, rotation, 0, 0, "k")
+    return LayerQuant(0, k, side_quant(v_bits, head_dim, rotation, 0, 0, "v"))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 128])
+def test_half_word_lookup_equals_per_index_gather(bits, head_dim):
+    tables = side_quant(bits, head_dim, "auto", 0, 0, "k")
+    mx.random.seed(bits * head_dim)
+    idx = mx.random.randint(0, 2**bits, (2, 3, 9, head_dim)).astype(mx.uint32)
+    codes = pack_indices(idx, bits)
+    assert (tables.half_word_table is None) == (bits == 3)  # 3-bit codes span two planes
+    got = centroids_of(codes[:, :, 2:7], tables)  # a slice, as a step reads the codes
+    assert mx.array_equal(got, mx.take(tables.centroids, idx[:, :, 2:7])).item()
+
+
+def codes_and_rows(quant, B, H, L, Ld, D, seed):
+    mx.random.seed(seed)
+    k = mx.random.normal((B, H, L, D)) + 2.0
+    v = mx.random.normal((B, H, L, D))
+    kc, kn = quantize_ref(k, quant.k)
+    vc, vn = quantize_ref(v, quant.v)
+    dense = [mx.random.normal((B, H, Ld, D)).astype(mx.float16) for _ in range(2)] if Ld else [None, None]
+    return kc, kn, vc, vn, dense
+
+
+@pytest.mark.parametrize(
+    "bits,rotation", [((8, 4), "auto"), ((4, 4), "auto"), ((3, 3), "auto"), ((4, 8), "dense")]
+)
+@pytest.mark.parametrize("B,Ld", [(1, 20), (2, 7), (2, 0)])
+@pytest.mark.parametrize("with_sinks,with_mean", [(False, False), (True, True)])
+def test_step_equals_oracle(bits, rotation, B, Ld, with_sinks, with_mean):
+    H, G, D = 2, 3, 64
+    quant = layer_quant(*bits, D, rotation)
+    sinks = mx.random.normal((H * G,)) if with_sinks else None
+    mean = mx.random.normal((B, H, D)) if with_mean else None
+    # One graph per layout serves every length: the rows grow as a decode step's do, and a
+    # single code row (which the graph must not meet) goes to the oracle.
+    for L in (5, 2, 1, 9, 300):
+        kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, B, H, L, Ld, D, seed=L)
+        q = mx.random.normal((B, H * G, 1, D))
+        args = (kc, kn, vc, vn, quant)
+        got = protected_step_ref(q, keys, values, *args, scale=0.125, sinks=sinks, key_mean=mean)
+        if L == 1:
+            assert got is None
+            continue
+        dense = None if keys is None else (keys, values, None)
+        want = tq_attention_ref(q, *args, scale=0.125, sinks=sinks, key_mean=mean, dense=dense)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (L, mx.abs(got - want).max().item())
+
+
+def test_step_leaves_long_histories_and_single_fp16_rows_to_the_oracle():
+    quant = layer_quant(4, 4, 64)
+    L = STEP_MAX_ROWS + 1
+    kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, 1, 2, L, 1, 64, seed=0)
+    q = mx.random.normal((1, 2, 1, 64))
+    assert protected_step_ref(q, None, None, kc, kn, vc, vn, quant, scale=0.125) is None
+    n = 3
+    args = (kc[:, :, :n], kn[:, :, :n], vc[:, :, :n], vn[:, :, :n])
+    assert protected_step_ref(q, keys, values, *args, quant, scale=0.125) is None
+
+
+@pytest.mark.parametrize("bits,rotation", [((8, 4), "auto"), ((3, 3), "auto"), ((4, 2), "dense")])
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_commit_row_equals_quantize(bits, rotation, with_mean):
+    B, H, D = 2, 3, 64
+    quant = layer_quant(*bits, D, rotation)
+    mx.random.seed(1)
+    k = (mx.random.normal((B, H, 1, D)) * 3).astype(mx.float16)
+    v = mx.random.normal((B, H, 1, D)).astype(mx.float16)
+    mean = mx.random.normal((B, H, D)) if with_mean else None
+    got = commit_row_ref(k, v, quant, mean)
+    kf = k.astype(mx.float32) - (0 if mean is None else mean[:, :, None, :])
+    want = (*quantize_ref(kf, quant.k), *quantize_ref(v, quant.v))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+    for i in (0, 2):  # the same cells, bit for bit
+        assert mx.array_equal(got[i], want[i]).item()
+    for i in (1, 3):
+        assert mx.allclose(got[i], want[i], rtol=1e-6).item()

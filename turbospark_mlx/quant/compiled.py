@@ -1,0 +1,165 @@
+"""The reference backend's one-row hot paths as `mx.compile`d graphs: a decode step's
+attention on a protected layer and the commit of the row that leaves its window.
+
+On MLX's CPU backend a decode step is bound by the number of ops, not their size: each costs
+microseconds to build and to run, and the oracles in `reference.py` spend about 200 ops per
+layer on what these do in two compiled calls and a few gathers (docs/decode_kernels.md,
+"The CPU backend"). They compute what the oracles compute, in another order of float32
+operations; tests/test_attention.py holds them to the oracles.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import mlx.core as mx
+
+from .packing import pack_indices
+from .reference import centroids_of
+from .tables import LayerQuant, SideQuant
+
+# Code rows up to which one compiled call decodes a step's codes at once (float32
+# rows of both sides: 2 · B · H · rows · d · 4 bytes, 8 MiB at 8 KV heads, d = 128);
+# longer histories take the oracle's blocks.
+STEP_MAX_ROWS = 4096
+
+
+def _rotate(x: mx.array, kind: str, r: mx.array) -> mx.array:
+    return mx.hadamard_transform(x * r) if kind == "hadamard" else x @ r.T
+
+
+def _unrotate(y: mx.array, kind: str, r: mx.array) -> mx.array:
+    return mx.hadamard_transform(y) * r if kind == "hadamard" else y @ r
+
+
+def _rotation_array(side: SideQuant) -> mx.array:
+    r = side.rotation
+    return r.signs if r.kind == "hadamard" else r.matrix
+
+
+@lru_cache(maxsize=None)
+def _step_graph(
+    k_kind: str, v_kind: str, scale: float, has_dense: bool, has_mean: bool, has_sinks: bool
+) -> Callable:
+    """The step's softmax over FP16 rows and code rows, compiled once per layout. Shapes
+    are free (shapeless): the code rows grow by one every step."""
+
+    def step(q, keys, values, k_cent, k_norms, v_cent, v_norms, k_mean, sinks, k_rot, v_rot):
+        # q (B, H, G, 1, d) float32; keys, values (B, H, Ld, d); *_cent (B, H, L, d); *_norms (B, H, L)
+        q_rot = _rotate(q, k_kind, k_rot)
+        s_codes = (q_rot @ k_cent[:, :, None].swapaxes(-1, -2)) * (scale * k_norms[:, :, None, None, :])
+        if has_mean:  # q·mean: the part of the score the centred codes leave out
+            s_codes = s_codes + scale * (q @ k_mean[:, :, None, :, None])
+        m = s_codes.max(axis=-1, keepdims=True)
+        if has_dense:
+            s_dense = scale * (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
+            m = mx.maximum(m, s_dense.max(axis=-1, keepdims=True))
+        if has_sinks:
+            m = mx.maximum(m, sinks)
+        p_codes = mx.exp(s_codes - m)
+        denom = p_codes.sum(axis=-1, keepdims=True)
+        # o' = Σ p_i ||v_i|| c_V[idx_i] in the rotated space, then Π_Vᵀ once.
+        out = _unrotate((p_codes * v_norms[:, :, None, None, :]) @ v_cent[:, :, None], v_kind, v_rot)
+        if has_dense:
+            p_dense = mx.exp(s_dense - m)
+            denom = denom + p_dense.sum(axis=-1, keepdims=True)
+            out = out + p_dense @ values.astype(mx.float32)[:, :, None]
+        if has_sinks:
+            denom = denom + mx.exp(sinks - m)
+        return out / denom
+
+    return mx.compile(step, shapeless=True)
+
+
+def protected_step_ref(
+    queries: mx.array,
+    keys: mx.array | None,
+    values: mx.array | None,
+    k_codes: mx.array,
+    k_norms: mx.array,
+    v_codes: mx.array,
+    v_norms: mx.array,
+    quant: LayerQuant,
+    *,
+    scale: float,
+    sinks: mx.array | None = None,
+    key_mean: mx.array | None = None,
+) -> mx.array | None:
+    """One query row over FP16 rows and code rows that it all sees, in one softmax: what
+    `tq_attention_ref(queries, *codes, quant, dense=(keys, values, None), ...)` computes.
+
+    Args:
+        queries: (B, Hq, 1, d).
+        keys, values: (B, H, Ld, d) FP16 rows (sinks and window), or None.
+        k_codes, k_norms, v_codes, v_norms: (B, H, L, words) and (B, H, L).
+        sinks: (Hq,) sink logits, or None; key_mean: (B, H, d) or None.
+    Returns:
+        (B, Hq, 1, d) in the queries' dtype, or None for fewer than 2 code or FP16 rows or
+        more than STEP_MAX_ROWS code rows (the caller then takes the oracle).
+    """
+    B, Hq, _, D = queries.shape
+    H, L = k_codes.shape[1], k_codes.shape[2]
+    # A shapeless graph must never meet a reduced axis of size 1: MLX 0.32 drops such a
+    # reduction from the trace and crashes on replay (ml-explore/mlx#3201).
+    if not 2 <= L <= STEP_MAX_ROWS or (keys is not None and keys.shape[2] < 2):
+        return None
+    none = mx.zeros((1,))  # stands in for an absent input: the graph for its layout ignores it
+    graph = _step_graph(
+        quant.k.rotation.kind, quant.v.rotation.kind, float(scale), keys is not None, key_mean is not None,
+        sinks is not None,
+    )  # fmt: skip
+    out = graph(
+        queries.astype(mx.float32).reshape(B, H, Hq // H, 1, D),
+        none if keys is None else keys,
+        none if values is None else values,
+        centroids_of(k_codes, quant.k),
+        k_norms,
+        centroids_of(v_codes, quant.v),
+        v_norms,
+        none if key_mean is None else key_mean.astype(mx.float32),
+        none if sinks is None else sinks.astype(mx.float32).reshape(1, H, Hq // H, 1, 1),
+        _rotation_array(quant.k),
+        _rotation_array(quant.v),
+    )
+    return out.reshape(B, Hq, 1, D).astype(queries.dtype)
+
+
+@lru_cache(maxsize=None)
+def _commit_graph(k_bits: int, v_bits: int, k_kind: str, v_kind: str, has_mean: bool) -> Callable:
+    """`quantize_ref` of one K row and one V row (K centred first), compiled once per layout
+    and shape (a decode step commits one row per layer)."""
+
+    def side(x, rot, kind, boundaries, bits):
+        norms = mx.sqrt(mx.sum(x * x, axis=-1))
+        y = _rotate(x / mx.maximum(norms, 1e-30)[..., None], kind, rot)
+        idx = (y[..., None] > boundaries).sum(axis=-1).astype(mx.uint32)  # cells below y
+        return pack_indices(idx, bits), norms
+
+    def commit(k, v, k_mean, k_rot, v_rot, k_bounds, v_bounds):
+        k = k.astype(mx.float32)
+        if has_mean:
+            k = k - k_mean[:, :, None, :]
+        v = v.astype(mx.float32)
+        return (*side(k, k_rot, k_kind, k_bounds, k_bits), *side(v, v_rot, v_kind, v_bounds, v_bits))
+
+    return mx.compile(commit)
+
+
+def commit_row_ref(
+    k_row: mx.array, v_row: mx.array, quant: LayerQuant, key_mean: mx.array | None
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(B, H, 1, d) K and V rows -> (k_codes, k_norms, v_codes, v_norms), as `quantize_ref`
+    of the centred K row and of the V row."""
+    graph = _commit_graph(
+        quant.k.bits, quant.v.bits, quant.k.rotation.kind, quant.v.rotation.kind, key_mean is not None
+    )
+    return graph(
+        k_row,
+        v_row,
+        mx.zeros((1,)) if key_mean is None else key_mean,
+        _rotation_array(quant.k),
+        _rotation_array(quant.v),
+        quant.k.boundaries,
+        quant.v.boundaries,
+    )
