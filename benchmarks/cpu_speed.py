@@ -11,9 +11,13 @@ default). Each row runs in its own process (which BLAS MLX binds is fixed per pr
   * BLAS `reference`: TURBOSPARK_CPU_BLAS=reference (MLX's Linux wheel's netlib BLAS);
     `mkl`: what `import turbospark_mlx` loads (turbospark_mlx/cpu_blas.py);
   * a float32 GEMM (512x576 @ 576x1536, a prefill projection's shape) per BLAS, in GFLOP/s.
+The caches of a row take turns within each repeat (paired rounds); the best repeat counts.
+`--contexts` adds, for the default row, decode ms/step after longer prompts (prefilled in
+512-token chunks), FP16 against k8v4 in paired rounds (medians): what the compressed
+cache costs on the CPU as the history grows.
 Writes benchmarks/results/cpu_speed.json and .md.
 
-    python benchmarks/cpu_speed.py [--prompt 256] [--steps 32] [--repeats 3]
+    python benchmarks/cpu_speed.py [--prompt 256] [--steps 32] [--repeats 3] [--contexts 1024 4096]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -38,8 +43,9 @@ ROWS = [
 ]
 
 
-def measure(path: str, dense: bool, prompt: int, steps: int, repeats: int) -> dict:
-    """One row, in this process: best-of-`repeats` prefill and decode tokens/s per cache."""
+def measure(path: str, dense: bool, prompt: int, steps: int, repeats: int, contexts: list[int] = ()) -> dict:
+    """One row, in this process: best-of-`repeats` prefill and decode tokens/s per cache, and
+    the package's decode ms/step after each of `contexts`."""
     import turbospark_mlx as ts  # before mlx.core: it puts MKL under MLX's CPU matmuls
 
     sys.path.insert(0, str(HERE))
@@ -63,20 +69,46 @@ def measure(path: str, dense: bool, prompt: int, steps: int, repeats: int) -> di
         mx.eval(a @ b)
     out = {"gemm_gflops": 5 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t0) / 1e9, "blas": ts.cpu_blas()}
     ids = mx.array([[(7 * i) % 2000 + 100 for i in range(prompt)]])
-    for kv, make in caches.items():
-        best_p = best_d = 0.0
+    best = {kv: {"prefill_tok_s": 0.0, "decode_tok_s": 0.0} for kv in caches}
+    for _ in range(repeats):
+        for kv, make in caches.items():
+            prefill_s, step_s = _prefill_and_decode(mx, model, make(), ids, prompt, steps)
+            best[kv]["prefill_tok_s"] = max(best[kv]["prefill_tok_s"], prompt / prefill_s)
+            best[kv]["decode_tok_s"] = max(best[kv]["decode_tok_s"], 1 / step_s)
+    out.update(best)
+    if contexts:
+        out["contexts"] = _context_cost(mx, ts, model, contexts, steps, repeats)
+    return out
+
+
+def _prefill_and_decode(mx, model, cache, ids, chunk: int, steps: int) -> tuple[float, float]:
+    """Seconds to prefill `ids` in chunks, then seconds per greedy decode step."""
+    t0 = time.perf_counter()
+    for s in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, s : s + chunk], cache=cache)
+    y = mx.argmax(logits[:, -1], -1)[:, None]
+    mx.eval(y)
+    prefill_s = time.perf_counter() - t0
+    y = mx.argmax(model(y, cache=cache)[:, -1], -1)[:, None]  # the first step builds its graphs
+    mx.eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        y = mx.argmax(model(y, cache=cache)[:, -1], -1)[:, None]
+        mx.eval(y)
+    return prefill_s, (time.perf_counter() - t0) / steps
+
+
+def _context_cost(mx, ts, model, contexts: list[int], steps: int, repeats: int) -> list[dict]:
+    """Decode ms/step after each context, FP16 and k8v4 taking turns; medians."""
+    out = []
+    for n in contexts:
+        ids = mx.array([[(7 * i) % 2000 + 100 for i in range(n)]])
+        ms = {"fp16": [], "k8v4": []}
         for _ in range(repeats):
-            cache = make()
-            t0 = time.perf_counter()
-            y = mx.argmax(model(ids, cache=cache)[:, -1], -1)[:, None]
-            mx.eval(y)
-            best_p = max(best_p, prompt / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                y = mx.argmax(model(y, cache=cache)[:, -1], -1)[:, None]
-                mx.eval(y)
-            best_d = max(best_d, steps / (time.perf_counter() - t0))
-        out[kv] = {"prefill_tok_s": best_p, "decode_tok_s": best_d}
+            for kv in ms:
+                cache = ts.make_cache(model, kv, max_rows=512)
+                ms[kv].append(1e3 * _prefill_and_decode(mx, model, cache, ids, 512, steps)[1])
+        out.append({"context": n, **{f"{kv}_ms_per_step": statistics.median(v) for kv, v in ms.items()}})
     return out
 
 
@@ -105,6 +137,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         parts = [f"{kv} prefill {r[kv]['prefill_tok_s'] / base[kv]['prefill_tok_s']:.1f}x, decode "
                  f"{r[kv]['decode_tok_s'] / base[kv]['decode_tok_s']:.1f}x" for kv in ("fp16", "k8v4") if kv in r]  # fmt: skip
         lines.append(f"- {r['row']}: {'; '.join(parts)}")
+    for r in rows:
+        if r.get("contexts"):
+            lines += ["", f"Decode after a longer prompt ({r['row']}; 512-token prefill chunks, "
+                      f"{meta['steps']} steps, medians of {meta['repeats']} paired rounds):", "",
+                      "| context | FP16 ms/step | k8v4 ms/step | k8v4 / FP16 |", "|---|---|---|---|"]  # fmt: skip
+            for c in r["contexts"]:
+                f, k = c["fp16_ms_per_step"], c["k8v4_ms_per_step"]
+                lines.append(f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,12 +153,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contexts", type=int, nargs="*", default=[], help="longer prompts, default row")
     ap.add_argument("--row", type=int, help=argparse.SUPPRESS)  # one row, in a child process
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_speed"))
     args = ap.parse_args()
     if args.row is not None:
         _, path, _, dense = ROWS[args.row]
-        print(json.dumps(measure(path, dense, args.prompt, args.steps, args.repeats)))
+        contexts = args.contexts if ROWS[args.row][0].endswith("(default)") else []
+        print(json.dumps(measure(path, dense, args.prompt, args.steps, args.repeats, contexts)))
         return
     import mlx.core as mx
     import mlx_lm
@@ -127,7 +169,8 @@ def main() -> None:
     for i, (name, path, blas, dense) in enumerate(ROWS):
         env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference" if blas == "reference" else "")
         cmd = [sys.executable, __file__, "--row", str(i), "--prompt", str(args.prompt),
-               "--steps", str(args.steps), "--repeats", str(args.repeats)]  # fmt: skip
+               "--steps", str(args.steps), "--repeats", str(args.repeats),
+               "--contexts", *map(str, args.contexts)]  # fmt: skip
         res = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
         rows.append({"row": name, **res})
         print(name, json.dumps(res), flush=True)

@@ -4,7 +4,12 @@ centroid lookup against the oracles in quant/reference.py."""
 import mlx.core as mx
 import pytest
 
-from turbospark_mlx.quant.compiled import STEP_MAX_ROWS, commit_row_ref, protected_step_ref
+from turbospark_mlx.quant.compiled import (
+    HOST_GATHER_MIN_ROWS,
+    STEP_MAX_ROWS,
+    commit_row_ref,
+    protected_step_ref,
+)
 from turbospark_mlx.quant.packing import pack_indices
 from turbospark_mlx.quant.reference import centroids_of, quantize_ref, tq_attention_ref
 from turbospark_mlx.quant.tables import LayerQuant, side_quant
@@ -48,17 +53,20 @@ def test_step_equals_oracle(bits, rotation, B, Ld, with_sinks, with_mean):
     sinks = mx.random.normal((H * G,)) if with_sinks else None
     mean = mx.random.normal((B, H, D)) if with_mean else None
     # One graph per layout serves every length: the rows grow as a decode step's do, and a
-    # single code row (which the graph must not meet) goes to the oracle.
-    for L in (5, 2, 1, 9, 300):
-        kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, B, H, L, Ld, D, seed=L)
+    # single code row (which the graph must not meet) goes to the oracle. From
+    # HOST_GATHER_MIN_ROWS rows the centroids come from numpy's take.
+    for L in (5, 2, 1, 9, HOST_GATHER_MIN_ROWS + 44):
+        lo = 3  # the step reads slots [lo, lo + L) of the storage
+        kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, B, H, lo + L, Ld, D, seed=L)
         q = mx.random.normal((B, H * G, 1, D))
-        args = (kc, kn, vc, vn, quant)
-        got = protected_step_ref(q, keys, values, *args, scale=0.125, sinks=sinks, key_mean=mean)
+        kw = dict(scale=0.125, sinks=sinks, key_mean=mean)
+        got = protected_step_ref(q, keys, values, (kc, kn, vc, vn), (lo, lo + L), quant, **kw)
         if L == 1:
             assert got is None
             continue
         dense = None if keys is None else (keys, values, None)
-        want = tq_attention_ref(q, *args, scale=0.125, sinks=sinks, key_mean=mean, dense=dense)
+        read = [a[:, :, lo:] for a in (kc, kn, vc, vn)]
+        want = tq_attention_ref(q, *read, quant, dense=dense, **kw)
         assert got.shape == want.shape and got.dtype == want.dtype
         assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (L, mx.abs(got - want).max().item())
 
@@ -68,10 +76,9 @@ def test_step_leaves_long_histories_and_single_fp16_rows_to_the_oracle():
     L = STEP_MAX_ROWS + 1
     kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, 1, 2, L, 1, 64, seed=0)
     q = mx.random.normal((1, 2, 1, 64))
-    assert protected_step_ref(q, None, None, kc, kn, vc, vn, quant, scale=0.125) is None
-    n = 3
-    args = (kc[:, :, :n], kn[:, :, :n], vc[:, :, :n], vn[:, :, :n])
-    assert protected_step_ref(q, keys, values, *args, quant, scale=0.125) is None
+    codes = (kc, kn, vc, vn)
+    assert protected_step_ref(q, None, None, codes, (0, L), quant, scale=0.125) is None
+    assert protected_step_ref(q, keys, values, codes, (0, 3), quant, scale=0.125) is None
 
 
 @pytest.mark.parametrize("bits,rotation", [((8, 4), "auto"), ((3, 3), "auto"), ((4, 2), "dense")])

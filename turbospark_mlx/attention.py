@@ -293,13 +293,15 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
         return mx.fast.scaled_dot_product_attention(*f32, scale=scale, sinks=sinks).astype(queries.dtype)
     names = ("k_codes", "k_norms", "v_codes", "v_norms")
     if keep is None:
-        codes = [arrays[n][:, :, first - S : q_end - S] for n in names]
-    else:  # code slot (p - S) modulo the ring
+        codes, rows = [arrays[n] for n in names], (first - S, q_end - S)
+    else:  # code slot (p - S) modulo the ring, gathered in order
         codes = [ring_rows(arrays[n], first - S, q_end - S, cache.ring_capacity(layer)) for n in names]
+        rows = (0, q_end - first)
     key_mean = arrays["k_mean"] if config.center_keys else None
-    out = protected_step_ref(queries, keys, values, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean)
+    out = protected_step_ref(queries, keys, values, codes, rows, quant, scale=scale, sinks=sinks, key_mean=key_mean)
     if out is not None:
         return out
+    codes = [c[:, :, rows[0] : rows[1]] for c in codes]
     return tq_attention_ref(
         queries, *codes, quant, scale=scale, sinks=sinks, key_mean=key_mean,
         dense=None if keys is None else (keys, values, None),

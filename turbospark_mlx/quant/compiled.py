@@ -1,28 +1,34 @@
 """The reference backend's one-row hot paths as `mx.compile`d graphs: a decode step's
 attention on a protected layer and the commit of the row that leaves its window.
 
-On MLX's CPU backend a decode step is bound by the number of ops, not their size: each costs
-microseconds to build and to run, and the oracles in `reference.py` spend about 200 ops per
-layer on what these do in two compiled calls and a few gathers (docs/decode_kernels.md,
-"The CPU backend"). They compute what the oracles compute, in another order of float32
-operations; tests/test_attention.py holds them to the oracles.
+On MLX's CPU backend a decode step is bound by the number of ops, not their size: each
+costs microseconds to build and to run, and the oracles in `reference.py` spend about 200
+ops per layer on what these do in two compiled calls and a few gathers (docs/backends.md,
+"The CPU backend's cache paths"). They compute what the oracles compute, in another order
+of float32 operations; tests/test_quant_compiled.py holds them to the oracles.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .packing import pack_indices
 from .reference import centroids_of
 from .tables import LayerQuant, SideQuant
 
 # Code rows up to which one compiled call decodes a step's codes at once (float32
-# rows of both sides: 2 · B · H · rows · d · 4 bytes, 8 MiB at 8 KV heads, d = 128);
+# rows of both sides: 2 · B · H · rows · d · 4 bytes, 32 MiB at 8 KV heads, d = 128);
 # longer histories take the oracle's blocks.
 STEP_MAX_ROWS = 4096
+
+# Code rows from which a step on the CPU device decodes centroids with numpy's take, which
+# costs about a fifth of MLX's CPU gather per index but a sync per layer and step
+# (docs/backends.md, "The CPU backend's cache paths"; benchmarks/results/cpu_speed.md).
+HOST_GATHER_MIN_ROWS = 256
 
 
 def _rotate(x: mx.array, kind: str, r: mx.array) -> mx.array:
@@ -76,10 +82,8 @@ def protected_step_ref(
     queries: mx.array,
     keys: mx.array | None,
     values: mx.array | None,
-    k_codes: mx.array,
-    k_norms: mx.array,
-    v_codes: mx.array,
-    v_norms: mx.array,
+    codes: Sequence[mx.array],
+    rows: tuple[int, int],
     quant: LayerQuant,
     *,
     scale: float,
@@ -87,23 +91,28 @@ def protected_step_ref(
     key_mean: mx.array | None = None,
 ) -> mx.array | None:
     """One query row over FP16 rows and code rows that it all sees, in one softmax: what
-    `tq_attention_ref(queries, *codes, quant, dense=(keys, values, None), ...)` computes.
+    `tq_attention_ref(queries, *codes, quant, dense=(keys, values, None), ...)` computes
+    over code slots [rows[0], rows[1]).
 
     Args:
         queries: (B, Hq, 1, d).
         keys, values: (B, H, Ld, d) FP16 rows (sinks and window), or None.
-        k_codes, k_norms, v_codes, v_norms: (B, H, L, words) and (B, H, L).
+        codes: a layer's (k_codes, k_norms, v_codes, v_norms) storage, (B, H, slots, words)
+            and (B, H, slots).
+        rows: the code slots read, [lo, hi).
         sinks: (Hq,) sink logits, or None; key_mean: (B, H, d) or None.
     Returns:
         (B, Hq, 1, d) in the queries' dtype, or None for fewer than 2 code or FP16 rows or
         more than STEP_MAX_ROWS code rows (the caller then takes the oracle).
     """
     B, Hq, _, D = queries.shape
-    H, L = k_codes.shape[1], k_codes.shape[2]
+    (lo, hi), H = rows, codes[0].shape[1]
     # A shapeless graph must never meet a reduced axis of size 1: MLX 0.32 drops such a
     # reduction from the trace and crashes on replay (ml-explore/mlx#3201).
-    if not 2 <= L <= STEP_MAX_ROWS or (keys is not None and keys.shape[2] < 2):
+    if not 2 <= hi - lo <= STEP_MAX_ROWS or (keys is not None and keys.shape[2] < 2):
         return None
+    k_codes, k_norms, v_codes, v_norms = codes
+    on_host = hi - lo >= HOST_GATHER_MIN_ROWS and mx.default_device() == mx.cpu
     none = mx.zeros((1,))  # stands in for an absent input: the graph for its layout ignores it
     graph = _step_graph(
         quant.k.rotation.kind, quant.v.rotation.kind, float(scale), keys is not None, key_mean is not None,
@@ -113,16 +122,35 @@ def protected_step_ref(
         queries.astype(mx.float32).reshape(B, H, Hq // H, 1, D),
         none if keys is None else keys,
         none if values is None else values,
-        centroids_of(k_codes, quant.k),
-        k_norms,
-        centroids_of(v_codes, quant.v),
-        v_norms,
+        _centroids(k_codes, lo, hi, quant.k, on_host),
+        k_norms[:, :, lo:hi],
+        _centroids(v_codes, lo, hi, quant.v, on_host),
+        v_norms[:, :, lo:hi],
         none if key_mean is None else key_mean.astype(mx.float32),
         none if sinks is None else sinks.astype(mx.float32).reshape(1, H, Hq // H, 1, 1),
         _rotation_array(quant.k),
         _rotation_array(quant.v),
     )
-    return out.reshape(B, Hq, 1, D).astype(queries.dtype)
+    out = out.reshape(B, Hq, 1, D).astype(queries.dtype)
+    if on_host:  # the host's rows exist already: evaluating frees them before the next layer's
+        mx.eval(out)
+    return out
+
+
+def _centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant, on_host: bool) -> mx.array:
+    """c[idx] of code slots [lo, hi): (B, H, hi - lo, d) float32. On the host, numpy's take
+    on the codes' buffer does the lookup: it evaluates the codes (a sync inside the step),
+    so short histories stay in the graph."""
+    if not on_host or tables.half_word_table is None:
+        return centroids_of(codes[:, :, lo:hi], tables)
+    halves = np.asarray(codes)[:, :, lo:hi].view(np.uint16)  # a view of MLX's buffer, no copy
+    found = np.take(_host_table(tables), halves, axis=0)
+    return mx.array(found.reshape(*halves.shape[:-1], -1)[..., : tables.head_dim])
+
+
+@lru_cache(maxsize=None)
+def _host_table(tables: SideQuant) -> np.ndarray:
+    return np.asarray(tables.half_word_table)
 
 
 @lru_cache(maxsize=None)

@@ -48,7 +48,7 @@ class SideQuant:
 
         A lookup by half word decodes 2 (8-bit) or 4 (4-bit) coordinates per gather: MLX's CPU
         gather costs about the same per index at any slice size, so decoding takes 2-4x less
-        time than a gather per coordinate (docs/decode_kernels.md, "The CPU backend").
+        time than a gather per coordinate (docs/backends.md, "The CPU backend's cache paths").
         """
         if len(PLANES[self.bits]) != 1 or self.bits > 8 or sys.byteorder != "little":
             return None
