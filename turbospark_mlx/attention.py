@@ -107,7 +107,9 @@ def attention_any(
     q_pos = mx.arange(position, end)
 
     if quant is not None:
-        backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
+        backend = _backend.current_backend()
+        if backend != "reference":  # the kernels' plan is only worth working out for a kernel
+            backend = _backend.resolve(tq_decode_unsupported(quant, Hq // spec.n_kv_heads, D))
         # A bounded layer's codes are a ring: its rows take _protected_attention's paths.
         if backend != "reference" and M >= PREFILL_MIN_ROWS and cache.layer_keep(layer) is None:
             return _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, backend)

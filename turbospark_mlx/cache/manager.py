@@ -281,7 +281,8 @@ class KVCacheManager:
         return self._storage_layout(self._layers[layer])
 
     def _layer(self, layer: int) -> _Layer:
-        return self._layers[self.owner(layer)]
+        l = self._layers.get(layer)  # an owner: itself, without owner()'s checks
+        return l if l is not None else self._layers[self.owner(layer)]
 
     def layer_quant(self, layer: int) -> LayerQuant | None:
         """The TurboQuant tables of `layer`, or None if it is FP16."""
