@@ -76,6 +76,16 @@ def test_compressed_preset_diverges_and_is_smaller(model):
     assert result["kv_bytes_kind"] == "allocated"
 
 
+def test_only_the_reference_run_keeps_its_log_probs(model):
+    # Later runs score against the reference chunk by chunk and keep none of their own, so
+    # the harness holds one copy of predictions x vocab floats whatever the preset count.
+    cache = lambda kv: ts.make_cache(model, kv, max_rows=16)  # noqa: E731
+    metrics, reference = ev.teacher_forced(model, cache("fp16"), text_ids(80)[:64], 40, 16)
+    assert reference and sum(c.shape[0] for c in reference) == 40
+    again, kept = ev.teacher_forced(model, cache(TQ2), text_ids(80)[:64], 40, 16, reference)
+    assert kept == [] and again["mean_kl"] > 0
+
+
 def test_metrics_match_plain_forward_passes(model):
     # Chunked (16-row) runs against one-shot forwards: the scored positions must line up.
     context, predictions = 48, 30
