@@ -16,8 +16,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .packing import pack_indices
-from .reference import centroids_of
+from .reference import centroids_of, quantize_ref
 from .tables import LayerQuant, SideQuant
 
 # Code rows up to which one compiled call decodes a step's codes at once (float32
@@ -154,22 +153,15 @@ def _host_table(tables: SideQuant) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
-def _commit_graph(k_bits: int, v_bits: int, k_kind: str, v_kind: str, has_mean: bool) -> Callable:
-    """`quantize_ref` of one K row and one V row (K centred first), compiled once per layout
+def _commit_graph(quant: LayerQuant, has_mean: bool) -> Callable:
+    """`quantize_ref` of one K row (centred first) and one V row, compiled once per layer
     and shape (a decode step commits one row per layer)."""
 
-    def side(x, rot, kind, boundaries, bits):
-        norms = mx.sqrt(mx.sum(x * x, axis=-1))
-        y = _rotate(x / mx.maximum(norms, 1e-30)[..., None], kind, rot)
-        idx = (y[..., None] > boundaries).sum(axis=-1).astype(mx.uint32)  # cells below y
-        return pack_indices(idx, bits), norms
-
-    def commit(k, v, k_mean, k_rot, v_rot, k_bounds, v_bounds):
+    def commit(k, v, k_mean):
         k = k.astype(mx.float32)
         if has_mean:
             k = k - k_mean[:, :, None, :]
-        v = v.astype(mx.float32)
-        return (*side(k, k_rot, k_kind, k_bounds, k_bits), *side(v, v_rot, v_kind, v_bounds, v_bits))
+        return (*quantize_ref(k, quant.k), *quantize_ref(v, quant.v))
 
     return mx.compile(commit)
 
@@ -179,15 +171,5 @@ def commit_row_ref(
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(B, H, 1, d) K and V rows -> (k_codes, k_norms, v_codes, v_norms), as `quantize_ref`
     of the centred K row and of the V row."""
-    graph = _commit_graph(
-        quant.k.bits, quant.v.bits, quant.k.rotation.kind, quant.v.rotation.kind, key_mean is not None
-    )
-    return graph(
-        k_row,
-        v_row,
-        mx.zeros((1,)) if key_mean is None else key_mean,
-        _rotation_array(quant.k),
-        _rotation_array(quant.v),
-        quant.k.boundaries,
-        quant.v.boundaries,
-    )
+    graph = _commit_graph(quant, key_mean is not None)
+    return graph(k_row, v_row, mx.zeros((1,)) if key_mean is None else key_mean)
