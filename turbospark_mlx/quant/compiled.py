@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .reference import centroids_of, quantize_ref
+from .rotation import rotate, unrotate
 from .tables import LayerQuant, SideQuant
 
 # Code rows up to which one compiled call decodes a step's codes at once (float32
@@ -30,19 +31,6 @@ STEP_MAX_ROWS = 4096
 HOST_GATHER_MIN_ROWS = 256
 
 
-def _rotate(x: mx.array, kind: str, r: mx.array) -> mx.array:
-    return mx.hadamard_transform(x * r) if kind == "hadamard" else x @ r.T
-
-
-def _unrotate(y: mx.array, kind: str, r: mx.array) -> mx.array:
-    return mx.hadamard_transform(y) * r if kind == "hadamard" else y @ r
-
-
-def _rotation_array(side: SideQuant) -> mx.array:
-    r = side.rotation
-    return r.signs if r.kind == "hadamard" else r.matrix
-
-
 @lru_cache(maxsize=None)
 def _step_graph(
     k_kind: str, v_kind: str, scale: float, has_dense: bool, has_mean: bool, has_sinks: bool
@@ -52,7 +40,7 @@ def _step_graph(
 
     def step(q, keys, values, k_cent, k_norms, v_cent, v_norms, k_mean, sinks, k_rot, v_rot):
         # q (B, H, G, 1, d) float32; keys, values (B, H, Ld, d); *_cent (B, H, L, d); *_norms (B, H, L)
-        q_rot = _rotate(q, k_kind, k_rot)
+        q_rot = rotate(q, k_kind, k_rot)
         s_codes = (q_rot @ k_cent[:, :, None].swapaxes(-1, -2)) * (scale * k_norms[:, :, None, None, :])
         if has_mean:  # q·mean: the part of the score the centred codes leave out
             s_codes = s_codes + scale * (q @ k_mean[:, :, None, :, None])
@@ -65,7 +53,7 @@ def _step_graph(
         p_codes = mx.exp(s_codes - m)
         denom = p_codes.sum(axis=-1, keepdims=True)
         # o' = Σ p_i ||v_i|| c_V[idx_i] in the rotated space, then Π_Vᵀ once.
-        out = _unrotate((p_codes * v_norms[:, :, None, None, :]) @ v_cent[:, :, None], v_kind, v_rot)
+        out = unrotate((p_codes * v_norms[:, :, None, None, :]) @ v_cent[:, :, None], v_kind, v_rot)
         if has_dense:
             p_dense = mx.exp(s_dense - m)
             denom = denom + p_dense.sum(axis=-1, keepdims=True)
@@ -127,8 +115,8 @@ def protected_step_ref(
         v_norms[:, :, lo:hi],
         none if key_mean is None else key_mean.astype(mx.float32),
         none if sinks is None else sinks.astype(mx.float32).reshape(1, H, Hq // H, 1, 1),
-        _rotation_array(quant.k),
-        _rotation_array(quant.v),
+        quant.k.rotation.array,
+        quant.v.rotation.array,
     )
     out = out.reshape(B, Hq, 1, D).astype(queries.dtype)
     if on_host:  # the host's rows exist already: evaluating frees them before the next layer's

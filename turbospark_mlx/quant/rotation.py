@@ -67,19 +67,18 @@ class Rotation:
         q *= np.sign(np.diag(r))  # makes Q Haar-distributed, not just orthogonal
         return cls(kind, head_dim, matrix=mx.array(q.astype(np.float32)))
 
+    @property
+    def array(self) -> mx.array:
+        """The signs of a Hadamard rotation, else the matrix: what `rotate` takes."""
+        return self.signs if self.kind == "hadamard" else self.matrix
+
     def apply(self, x: mx.array) -> mx.array:
         """Π x along the last axis, in float32."""
-        x = x.astype(mx.float32)
-        if self.kind == "hadamard":
-            return mx.hadamard_transform(x * self.signs)
-        return x @ self.matrix.T
+        return rotate(x.astype(mx.float32), self.kind, self.array)
 
     def invert(self, y: mx.array) -> mx.array:
         """Πᵀ y along the last axis, in float32."""
-        y = y.astype(mx.float32)
-        if self.kind == "hadamard":
-            return mx.hadamard_transform(y) * self.signs
-        return y @ self.matrix
+        return unrotate(y.astype(mx.float32), self.kind, self.array)
 
     @cached_property
     def dense(self) -> mx.array:
@@ -87,3 +86,13 @@ class Rotation:
         if self.matrix is not None:
             return self.matrix
         return self.apply(mx.eye(self.head_dim)).T
+
+
+def rotate(x: mx.array, kind: str, r: mx.array) -> mx.array:
+    """Π x for a rotation given as its kind and `Rotation.array` (a graph input)."""
+    return mx.hadamard_transform(x * r) if kind == "hadamard" else x @ r.T
+
+
+def unrotate(y: mx.array, kind: str, r: mx.array) -> mx.array:
+    """Πᵀ y for a rotation given as its kind and `Rotation.array`."""
+    return mx.hadamard_transform(y) * r if kind == "hadamard" else y @ r
