@@ -420,3 +420,41 @@ def test_cuda_dense_partial_compiles_with_nvcc(tmp_path):
         cmd += ["-expt-relaxed-constexpr", f"-I{CUDA_SHIM.parent}", str(path)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, (d, r.stderr[-4000:])
+
+
+
+def test_cuda_commit_dense_compiles_with_nvcc(tmp_path):
+    """The decode step's fused FP16-row partial and commit (CUDA only) compiled by nvcc for
+    sm_90a: tq4 (Hadamard both sides) with the key mean, k8v4 with starts and dense Π."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to compile the CUDA-only kernel")
+    f32, u32, i32, u8 = mx.float32, mx.uint32, mx.int32, mx.uint8
+    for i, (kb, vb, d, g, rot, dt) in enumerate(((4, 4, 128, 4, "auto", mx.bfloat16), (8, 4, 96, 2, "dense", mx.float16))):
+        q = LayerQuant(0, side_quant(kb, d, rot, 0, 0, "k"), side_quant(vb, d, rot, 0, 0, "v"))
+        (kkind, krot), (vkind, vrot) = _rot_info(q.k), _rot_info(q.v)
+        s, w, cap = 4, 128, 384
+        ins = [
+            ArgInfo(dt, 4, 8 * g * d),
+            *[ArgInfo(dt, 4, 8 * s * d)] * 2,
+            *[ArgInfo(dt, 4, 8 * cap * d)] * 2,
+            ArgInfo(f32, 3, 8 * d) if i == 0 else ArgInfo(f32, 1, 8),
+            vrot,
+            ArgInfo(u8, 1, 5000),
+            ArgInfo(u8, 1, 1),
+            ArgInfo(i32, 1, 8),
+            krot,
+            ArgInfo(f32, 1, max(8, 2**kb - 1)),
+            ArgInfo(f32, 1, max(8, 2**vb - 1)),
+            ArgInfo(u8, 1, 4870),
+            ArgInfo(u8, 1, 2),
+        ]
+        template = [("D", d), ("G", g), ("M", 1), ("R", g), ("S", s), ("W", w), ("RCAP", cap), ("KMAX", s + w),
+                    ("NT", 128), ("SCALE_BITS", 1040187392), ("HAS_MEAN", i == 0), ("HAS_STARTS", i == 1),
+                    ("VROT", vkind), ("KB", kb), ("KW", q.k.words), ("KROT", kkind), ("VB", vb), ("VW", q.v.words)]
+        path = tmp_path / f"commit_dense_{i}.cu"
+        path.write_text('#include "mlx_device.cuh"\n' + cuda_source("tq_commit_dense", ins, [u32, f32, u32, f32, f32], template))
+        cmd = [nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"commit_dense_{i}.cubin")]
+        cmd += ["-expt-relaxed-constexpr", f"-I{CUDA_SHIM.parent}", str(path)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, (kb, vb, d, r.stderr[-4000:])

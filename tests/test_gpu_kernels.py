@@ -308,32 +308,48 @@ def test_protected_layers_match_reference(d, kv, max_kv_size):
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the tensor-core decode kernel is CUDA-only")
-@pytest.mark.parametrize("kv,batch", [("tq4", 1), ("k8v4", 2)])
-def test_protected_decode_step_is_two_launches(kv, batch):
-    """A decode step of a protected layer on CUDA: the FP16 rows' partial and the tensor-core
-    kernel that merges it, nothing else; it matches the reference and repeats exactly."""
+@pytest.mark.parametrize("kv,batch,d", [("tq4", 1, 128), ("k8v4", 2, 64), ("tq3", 1, 128)])
+def test_protected_decode_step_is_two_launches(kv, batch, d):
+    """A decode step of a protected layer on CUDA (`store_and_attend`, ProtectedStep): the fused
+    commit + FP16-row partial and the tensor-core kernel, nothing else. Output and every cache
+    array equal the general path's (store_kv + attention_any: tq_commit, tq_dense_partial) bit
+    for bit, a second run of the same step is identical, and it matches the reference."""
+    import copy
+
+    from turbospark_mlx.attention import store_and_attend
+
     mx.random.seed(9)
-    d, config = 128, get_preset(kv)
-    cache = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
+    config = get_preset(kv)
+    fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
-    for m in (64, 64, 64, 1, 1):
+    for m in (64, 64, 64):
         k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
         v = mx.random.normal((batch, 2, m, d)).astype(mx.float16)
         with use_backend(BACKEND):
-            store_kv(cache, 0, pos, k, v)
+            store_kv(fast, 0, pos, k, v)
         pos += m
-    q = mx.random.normal((batch, 8, 1, d)).astype(mx.float16)
-    build.LAUNCHES.clear()
-    with use_backend(BACKEND):
-        out = attention_any(cache, 0, q, pos - 1, sinks=mx.ones((8,)), kv_start=starts)
-    assert dict(build.LAUNCHES) == {"tq_dense_partial": 1, "tq_decode_mma": 1}
-    with use_backend(BACKEND):
-        again = attention_any(cache, 0, q, pos - 1, sinks=mx.ones((8,)), kv_start=starts)
-    with use_backend("reference"), mx.stream(mx.cpu):
-        ref = attention_any(cache, 0, q, pos - 1, sinks=mx.ones((8,)), kv_start=starts)
-    assert mx.array_equal(out, again).item()
-    assert _rel(out, ref) < 5e-3, _rel(out, ref)
+    general = copy.deepcopy(fast)
+    for _ in range(4):
+        q = mx.random.normal((batch, 8, 1, d)).astype(mx.float16)
+        k = (mx.random.normal((batch, 2, 1, d)) + 3).astype(mx.float16)
+        v = mx.random.normal((batch, 2, 1, d)).astype(mx.float16)
+        twin = copy.deepcopy(fast)
+        build.LAUNCHES.clear()
+        with use_backend(BACKEND):
+            out = store_and_attend(fast, 0, q, k, v, pos, sinks=mx.ones((8,)), kv_start=starts)
+            assert dict(build.LAUNCHES) == {"tq_commit_dense": 1, "tq_decode_mma": 1}
+            again = store_and_attend(twin, 0, q, k, v, pos, sinks=mx.ones((8,)), kv_start=starts)
+            store_kv(general, 0, pos, k, v)
+            want = attention_any(general, 0, q, pos, sinks=mx.ones((8,)), kv_start=starts)
+        with use_backend("reference"), mx.stream(mx.cpu):
+            ref = attention_any(general, 0, q, pos, sinks=mx.ones((8,)), kv_start=starts)
+        assert mx.array_equal(out, again).item() and mx.array_equal(out, want).item()
+        assert fast.layer_offset(0) == general.layer_offset(0) == pos + 1
+        for name, a in fast.layer_arrays(0).items():
+            assert mx.array_equal(a, general.layer_arrays(0)[name]).item(), name
+        assert _rel(out, ref) < 5e-3, _rel(out, ref)
+        pos += 1
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])

@@ -5,7 +5,7 @@ from .cpu_blas import cpu_blas, load_fast_blas
 
 load_fast_blas()
 
-from .attention import attention_any  # noqa: E402
+from .attention import attention_any, store_and_attend  # noqa: E402
 from .cache import (  # noqa: E402
     KVCacheManager,
     KVStage,
@@ -41,5 +41,6 @@ __all__ = [
     "get_preset",
     "kv_write_target",
     "make_cache",
+    "store_and_attend",
     "store_kv",
 ]

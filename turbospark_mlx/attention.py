@@ -21,12 +21,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCacheManager
+from .cache import KVCacheManager, store_kv
 from .cache.window import ring_rows
 from .gpu import backend as _backend
+from .gpu.args import TABLES
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
-from .gpu.decode_mma import mma_launch
-from .gpu.dense import tq_dense_partial
+from .gpu.decode_mma import MmaLaunch, mma_launch
+from .gpu.dense import CommitDense, tq_dense_partial
 from .gpu.dequantize import tq_dequantize
 from .quant.compiled import protected_step_ref
 from .quant.reference import tq_attention_ref
@@ -59,6 +60,29 @@ def attention_mask(
     if window is not None:
         visible = visible & (kp > qp - window)
     return visible[None, None] & (kp[None, None] >= start)
+
+
+def store_and_attend(
+    cache: KVCacheManager,
+    layer: int,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    position: int,
+    *,
+    scale: float | None = None,
+    sinks: mx.array | None = None,
+    kv_start: int | mx.array = 0,
+) -> mx.array:
+    """Write M rows of keys and values at `position`, commit them, and attend with M query rows
+    at the same positions: `store_kv` then `attention_any`, the write path of one attention
+    block. A protected layer's decode step on CUDA takes `ProtectedStep` instead: the same
+    result in two launches, with its host work prepared once per call shape."""
+    step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
+    if step is not None:
+        return step(cache, layer, queries, keys, values, position, kv_start, sinks)
+    store_kv(cache, layer, position, keys, values)
+    return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks, kv_start=kv_start)
 
 
 def attention_any(
@@ -345,3 +369,86 @@ def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: 
         raise ValueError(f"layer {layer}: {Hq} query heads is not a multiple of {spec.n_kv_heads} KV heads")
     if sinks is not None and tuple(sinks.shape) != (Hq,):
         raise ValueError(f"layer {layer}: sinks must have shape ({Hq},), got {tuple(sinks.shape)}")
+
+
+class ProtectedStep:
+    """The decode step of a protected TurboQuant layer on CUDA for one call shape, as
+    `store_kv` + `attention_any` compute it, in two launches: the new rows go into the FP16
+    ring (two slice updates), `tq_commit_dense` commits the rows leaving the window and
+    computes the FP16 rows' partial, the codes go into their slots, and the tensor-core kernel
+    reads the codes and merges the partial. Kernel objects, constant inputs and launch shapes
+    are built once (a decode step calls this for every layer; host time bounds the step,
+    docs/decode_kernels.md). `usable` says whether the kernels take the shape."""
+
+    def __init__(self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool):
+        config, quant = cache.config, l.quant
+        self.S, self.W, self.R = config.sink_rows, config.window_rows, l.recent_capacity
+        self.dtype, self.rows = cache.dtype, queries.shape[2]
+        self.mma: MmaLaunch = mma_launch(quant, queries, l.spec.n_kv_heads, scale, starts, has_sink, has_extra=True)
+        self.usable = self.mma.reason is None and self.mma.per >= self.rows
+        if self.usable:
+            self.prep = CommitDense(
+                quant, queries, l.arrays, scale=scale, starts=starts,
+                sink_rows=self.S, window_rows=self.W, ring_capacity=self.R,
+            )  # fmt: skip
+
+    def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
+        l, M = cache._layers[layer], self.rows
+        a = l.arrays
+        s = position % self.R
+        for name, rows in (("k_recent", keys), ("v_recent", values)):
+            a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
+        first = position - self.W  # positions [first, first + M) leave the window: slots first - S
+        cache._reserve(l, first + M - self.S)
+        *codes, extra = self.prep(queries, a, position, kv_start, first, M)
+        for name, r in zip(("k_codes", "k_norms", "v_codes", "v_norms"), codes):
+            a[name][:, :, first - self.S : first - self.S + M] = r
+        l.offset = position + M
+        # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
+        shifted = mx.maximum(kv_start - self.S, 0) if isinstance(kv_start, mx.array) else max(kv_start - self.S, 0)
+        codes = [a[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
+        return self.mma(queries, *codes, position - self.W - self.S, shifted, sinks, extra=extra)
+
+
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start) -> ProtectedStep | None:
+    """The ProtectedStep for this call, or None where the general path serves it: another
+    backend or layer kind, a query row that reads no codes yet, a ring not at its full size or
+    a write that wraps it, rows that do not match the layer (the general path names the
+    problem), a half-done write."""
+    l = cache._layers.get(layer)
+    if l is None or not l.recent_capacity or l.keep is not None or cache.stage.pending:
+        return None
+    if _backend.current_backend() != "cuda":
+        return None
+    config, R, M = cache.config, l.recent_capacity, keys.shape[2]
+    a = l.arrays
+    if (
+        position != l.offset
+        or position < config.sink_rows + config.window_rows + 1  # the key mean is set, every row reads codes
+        or a["k_recent"].shape[2] != R
+        or position % R + M > R
+        or M > cache.max_rows
+        or not isinstance(kv_start, (int, mx.array))
+    ):
+        return None
+    B, Hkv, D = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim
+    qs = queries.shape
+    if (
+        len(qs) != 4 or qs[0] != B or qs[2] != M or qs[3] != D or qs[1] % Hkv
+        or keys.shape != (B, Hkv, M, D) or values.shape != keys.shape
+        or not all(x.dtype in _FLOATS for x in (queries, keys, values))
+        or (sinks is not None and sinks.shape != (qs[1],))
+    ):  # fmt: skip
+        return None
+    scale = D**-0.5 if scale is None else scale
+    starts = isinstance(kv_start, mx.array)
+    cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})
+    key = ("step", l.quant.v, queries.shape, queries.dtype, cache.dtype, scale, starts, sinks is not None,
+           config.sink_rows, config.window_rows, R, "k_mean" in a)  # fmt: skip
+    step = cached.get(key)
+    if step is None:
+        step = cached[key] = ProtectedStep(cache, l, queries, scale, starts, sinks is not None)
+    return step if step.usable else None

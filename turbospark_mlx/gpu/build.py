@@ -103,6 +103,32 @@ SPECS: dict[str, KernelSpec] = {
             ("q", "k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean", "v_rot", "qpos", "kv0", "kv_starts"),
             ("part",),
             backends=("cuda",),
+            headers=("tq_fp16_rows.h",),
+        ),
+        # A protected layer's decode step before the tensor-core kernel: the FP16 rows' partial
+        # and the commit of the rows leaving the window, in one launch.
+        KernelSpec(
+            "tq_commit_dense",
+            (
+                "q",
+                "k_sinks",
+                "v_sinks",
+                "k_recent",
+                "v_recent",
+                "k_mean",
+                "v_rot",
+                "qpos",
+                "kv0",
+                "kv_starts",
+                "k_rot",
+                "k_bnd",
+                "v_bnd",
+                "first",
+                "count",
+            ),
+            ("k_codes", "k_norms", "v_codes", "v_norms", "part"),
+            backends=("cuda",),
+            headers=("tq_fp16_rows.h",),
         ),
         # Tensor-core decode (mma.sync), one launch: NVIDIA only.
         KernelSpec(

@@ -1,7 +1,8 @@
 """A protected layer's FP16 rows (sink rows, recent window) as one softmax partial per query
-row: `kernels/tq_dense_partial.kernel` (CUDA), merged by the tensor-core decode kernel
-(`decode_mma`, HAS_EXTRA). Its twin is `quant.reference.fp16_rows_partial_ref`, which the
-other paths merge in plain mx ops."""
+row, merged by the tensor-core decode kernel (`decode_mma`, HAS_EXTRA): alone
+(`kernels/tq_dense_partial.kernel`) or with the commit of the rows leaving the window in the
+same launch (`kernels/tq_commit_dense.kernel`, a decode step). CUDA only. The partial's twin is
+`quant.reference.fp16_rows_partial_ref`, the commit's `quant.reference.quantize_ref`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,47 @@ import struct
 
 import mlx.core as mx
 
-from ..quant.tables import SideQuant
-from .args import _ZEROS8, rotation_arg, step_args
-from .build import launch
+from ..quant.tables import LayerQuant, SideQuant
+from .args import _ZEROS8, length_arg, padded_table, rotation_arg, step_args
+from .build import LAUNCHES, cuda_kernel, launch
 
 THREADS = 128
+
+
+def _dense_template(queries: mx.array, Hkv: int, v_side: SideQuant, scale: float, has_mean: bool, starts: bool,
+                    sink_rows: int, window_rows: int, ring_capacity: int) -> list[tuple]:  # fmt: skip
+    B, Hq, M, D = queries.shape
+    G = Hq // Hkv
+    return [
+        ("D", D),
+        ("G", G),
+        ("M", M),
+        ("R", G * M),
+        ("S", sink_rows),
+        ("W", window_rows),
+        ("RCAP", ring_capacity),
+        ("KMAX", max(1, sink_rows + window_rows)),
+        ("NT", THREADS),
+        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
+        ("HAS_MEAN", has_mean),
+        ("HAS_STARTS", starts),
+        ("VROT", rotation_arg(v_side)[0]),
+    ]
+
+
+def _dense_inputs(queries, arrays, v_side, position, kv_start, sink_rows) -> list[mx.array]:
+    k_recent = arrays["k_recent"]
+    mean = arrays.get("k_mean")
+    sinks = (arrays["k_sinks"], arrays["v_sinks"]) if sink_rows else (k_recent, arrays["v_recent"])
+    return [
+        queries,
+        *sinks,
+        k_recent,
+        arrays["v_recent"],
+        _ZEROS8 if mean is None else mean,
+        rotation_arg(v_side)[1],
+        *step_args(position, kv_start, queries.shape[0]),
+    ]
 
 
 def tq_dense_partial(
@@ -29,47 +66,86 @@ def tq_dense_partial(
     ring_capacity: int,
 ) -> mx.array:
     """(B * Hkv, R, D + 3) float32: per query row (R = G * M per KV head) the FP16 rows'
-    o' = Π_V Σ exp(s - m) v, m, l and scale · q·k_mean (see the kernel).
+    o' = Π_V Σ exp(s - m) v, m, l and scale · q·k_mean (see kernels/tq_fp16_rows.h).
 
     arrays: the layer's storage (k_sinks, v_sinks, k_recent, v_recent, optional k_mean).
     """
     B, Hq, M, D = queries.shape
-    k_recent = arrays["k_recent"]
-    Hkv = k_recent.shape[1]
+    Hkv = arrays["k_recent"].shape[1]
     G = Hq // Hkv
-    mean = arrays.get("k_mean")
-    sinks = (arrays["k_sinks"], arrays["v_sinks"]) if sink_rows else (k_recent, arrays["v_recent"])
-    vrot_kind, vrot = rotation_arg(v_side)
+    template = _dense_template(queries, Hkv, v_side, scale, "k_mean" in arrays, isinstance(kv_start, mx.array),
+                               sink_rows, window_rows, ring_capacity)  # fmt: skip
     (part,) = launch(
         "tq_dense_partial",
         "cuda",
-        [
-            ("D", D),
-            ("G", G),
-            ("M", M),
-            ("R", G * M),
-            ("S", sink_rows),
-            ("W", window_rows),
-            ("RCAP", ring_capacity),
-            ("KMAX", max(1, sink_rows + window_rows)),
-            ("NT", THREADS),
-            ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
-            ("HAS_MEAN", mean is not None),
-            ("HAS_STARTS", isinstance(kv_start, mx.array)),
-            ("VROT", vrot_kind),
-        ],
-        inputs=[
-            queries,
-            *sinks,
-            k_recent,
-            arrays["v_recent"],
-            _ZEROS8 if mean is None else mean,
-            vrot,
-            *step_args(position, kv_start, B),
-        ],
+        template,
+        inputs=_dense_inputs(queries, arrays, v_side, position, kv_start, sink_rows),
         grid=(THREADS * G * M, B * Hkv, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B * Hkv, G * M, D + 3)],
         output_dtypes=[mx.float32],
     )
     return part
+
+
+class CommitDense:
+    """`tq_commit_dense` for one call shape of a protected layer (quant, query shape and dtype,
+    ring, scale, starts, window): the kernel object and the constant inputs are built once,
+    since a decode step calls it for every layer. Call it with the layer's arrays, the first
+    query position, kv_start, and the first of the n rows to commit (position - window_rows)."""
+
+    def __init__(self, quant: LayerQuant, queries: mx.array, arrays: dict[str, mx.array], *, scale: float,
+                 starts: bool, sink_rows: int, window_rows: int, ring_capacity: int):  # fmt: skip
+        B, Hq, M, D = queries.shape
+        ring = arrays["k_recent"]
+        Hkv = ring.shape[1]
+        has_mean = "k_mean" in arrays
+        template = _dense_template(queries, Hkv, quant.v, scale, has_mean, starts, sink_rows, window_rows,
+                                   ring_capacity)  # fmt: skip
+        template += [("KB", quant.k.bits), ("KW", quant.k.words), ("KROT", rotation_arg(quant.k)[0]),
+                     ("VB", quant.v.bits), ("VW", quant.v.words)]  # fmt: skip
+        self.kernel = cuda_kernel("tq_commit_dense", tuple(template))
+        self.quant, self.sink_rows, self.batch = quant, sink_rows, B
+        self.tables = [rotation_arg(quant.k)[1], padded_table(quant.k, "boundaries"), padded_table(quant.v, "boundaries")]
+        self.v_rot = rotation_arg(quant.v)[1]
+        self.BH, self.R, self.D = B * Hkv, (Hq // Hkv) * M, D
+        self.threadgroup = (THREADS, 1, 1)
+        self.by_rows: dict[int, tuple] = {}
+
+    def _shapes(self, n: int) -> tuple:
+        shape = self.by_rows.get(n)
+        if shape is None:
+            B, BH, D, q = self.batch, self.BH, self.D, self.quant
+            H = BH // B
+            blocks = max(self.R, -(-BH * n // (THREADS // 32)))
+            shape = self.by_rows[n] = (
+                (THREADS * blocks, BH + 2, 1),
+                [(B, H, n, q.k.words), (B, H, n), (B, H, n, q.v.words), (B, H, n), (BH, self.R, D + 3)],
+                [mx.uint32, mx.float32, mx.uint32, mx.float32, mx.float32],
+            )
+        return shape
+
+    def __call__(self, queries, arrays, position: int, kv_start, first: int, n: int) -> list[mx.array]:
+        """[k_codes, k_norms, v_codes, v_norms] of positions [first, first + n), and the partial."""
+        grid, shapes, dtypes = self._shapes(n)
+        sinks = (arrays["k_sinks"], arrays["v_sinks"]) if self.sink_rows else (arrays["k_recent"], arrays["v_recent"])
+        mean = arrays.get("k_mean")
+        LAUNCHES["tq_commit_dense"] += 1
+        return self.kernel(
+            inputs=[
+                queries,
+                *sinks,
+                arrays["k_recent"],
+                arrays["v_recent"],
+                _ZEROS8 if mean is None else mean,
+                self.v_rot,
+                *step_args(position, kv_start, self.batch),
+                *self.tables,
+                length_arg(first),
+                length_arg(n),
+            ],
+            grid=grid,
+            threadgroup=self.threadgroup,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..attention import attention_any
+from ..attention import attention_any, store_and_attend
 from ..cache import KVCacheManager, LayerSpec, store_kv
 from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
 
@@ -123,6 +123,10 @@ class TurboSparkKVCache:
         kv = self._ensure(keys)
         pos = kv.layer_offset(0)
         M = keys.shape[2]
+        if M <= min(self.q_block, self.max_rows):  # one write, one query block (a decode step)
+            out = store_and_attend(kv, 0, queries, keys, values, pos, scale=scale, sinks=sinks)
+            kv.stage.rows.clear()
+            return out
         # Query blocks: at most q_block rows, split where a write of max_rows rows ends. Rows
         # are stored piece by piece just ahead of the block that reads them: a layer's FP16
         # window ring holds max_rows rows beyond it.

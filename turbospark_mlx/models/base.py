@@ -9,8 +9,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..attention import attention_any
-from ..cache import KVCacheManager, commit_kv, kv_write_target
+from ..attention import attention_any, store_and_attend
+from ..cache import KVCacheManager
 from ..cache.batch import SequenceBatch
 
 
@@ -57,10 +57,7 @@ def cached_attention(
             lambda c, q, k, v: cached_attention(c, layer, q, k, v, c.layer_offset(layer), scale=scale, sinks=sinks),
             queries, keys, values,
         )
-    kv_write_target(cache, "k", layer, position).write(keys)
-    kv_write_target(cache, "v", layer, position).write(values)
-    commit_kv(cache, layer, position, keys.shape[2])
-    return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks)
+    return store_and_attend(cache, layer, queries, keys, values, position, scale=scale, sinks=sinks)
 
 
 def written_attention(cache: KVCacheManager, layer: int, queries: mx.array, *, scale: float) -> mx.array:
