@@ -214,10 +214,12 @@ def bench_context(models: dict[str, nn.Module], context: int, args: argparse.Nam
 
 
 def warm_up(models: dict[str, nn.Module], row: str, chunk: int) -> None:
-    """Compile what a row runs (kernels are built on first use) on a throwaway cache."""
+    """Compile what a row runs (kernels are built on first use) on a throwaway cache: two chunks,
+    so that a chunk reads codes and the FP16 ring of a protected layer reaches its full size, as
+    they do in the measured runs."""
     model = models[ROWS[row][0]]
     cache = new_cache(row, models, chunk)
-    tok = prefill(model, cache, mx.random.randint(0, model.args.vocab_size, (1, chunk)), chunk)
+    tok = prefill(model, cache, mx.random.randint(0, model.args.vocab_size, (1, 2 * chunk)), chunk)
     tok, _ = decode_sync(model, cache, tok, 2)
     decode_pipelined(model, cache, tok, 2)
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, commit_kv, get_preset, kv_write_target, store_kv
-from turbospark_mlx.attention import PREFILL_MIN_ROWS, attention_mask
+from turbospark_mlx import attention as attention_module
+from turbospark_mlx.attention import PREFILL_MIN_ROWS, PREFILL_Q_BLOCK, attention_mask
 from turbospark_mlx.gpu import build, decode_mma
 from turbospark_mlx.gpu.backend import KernelUnsupported, auto_backend, use_backend
 from turbospark_mlx.gpu.decode import tq_decode_attention
@@ -369,11 +370,14 @@ def test_dequantize_kernel_matches_ref(d, bits):
         assert mx.array_equal(out, again).item()
 
 
+@pytest.mark.parametrize("q_block", [PREFILL_Q_BLOCK, 24])
 @pytest.mark.parametrize("kv,d", [("tq4", 128), ("k8v4", 64), ("tq3", 128), ("plain-tq4", 128)])
-def test_prefill_path_matches_its_oracle(kv, d):
+def test_prefill_path_matches_its_oracle(kv, d, q_block, monkeypatch):
     """Chunks of >= PREFILL_MIN_ROWS rows on a GPU read the history decoded by tq_dequantize
-    (and a protected layer's ring from position - window_rows on) under MLX's fused attention:
-    equal, up to bf16 rounding, to dense attention over the same rows built on the CPU."""
+    (and a protected layer's ring from position - window_rows on) under MLX's fused attention,
+    in blocks of q_block query rows: equal, up to bf16 rounding, to dense attention over the
+    same rows built on the CPU."""
+    monkeypatch.setattr(attention_module, "PREFILL_Q_BLOCK", q_block)
     config = get_preset("tq4").plain() if kv == "plain-tq4" else get_preset(kv).with_(name="p", window_rows=16)
     M = PREFILL_MIN_ROWS
     mx.random.seed(3)

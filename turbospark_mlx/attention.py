@@ -39,6 +39,10 @@ from .quant.tables import SIDES
 # speculative verify (a few rows) does not; the whole-model prefill it gives is in
 # benchmarks/results/generate_e2e.md, the crossover between 4 and 2048 rows is not measured.
 PREFILL_MIN_ROWS = 64
+# Query rows per fused-attention call in that path: each call's scores over the whole history
+# are a transient (at 128k keys, 32 heads, 256 rows: 2 GB in bfloat16); the blocks run one
+# after another, so one block's scores are alive at a time.
+PREFILL_Q_BLOCK = 256
 
 
 def attention_mask(
@@ -216,12 +220,22 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
             parts.append(ring_rows(arrays[f"{s}_recent"], lo, end, cache.recent_capacity(layer)).astype(dt))
         sides[s] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     keys, values = sides["k"], sides["v"]
-    if isinstance(kv_start, int):
-        keys, values, mask = keys[:, :, kv_start:], values[:, :, kv_start:], "causal"
-    else:
-        mask = attention_mask(mx.arange(end), mx.arange(position, end), kv_start)
     sinks = None if sinks is None else sinks.astype(dt)  # MLX's fused attention takes them in the output dtype
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    outs = []
+    for a in range(0, M, PREFILL_Q_BLOCK):
+        b = min(M, a + PREFILL_Q_BLOCK)
+        q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
+        e = position + b  # the block's rows see keys up to their own positions
+        if isinstance(kv_start, int):
+            k, v, mask = keys[:, :, kv_start:e], values[:, :, kv_start:e], "causal"
+        else:
+            k, v, mask = keys[:, :, :e], values[:, :, :e], attention_mask(mx.arange(e), mx.arange(position + a, e), kv_start)
+        outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    # Evaluated here, so this layer's decoded history is freed before the next layer decodes its
+    # own: evaluated with the whole chunk, every layer's history would be alive at once.
+    mx.eval(out)
+    return out
 
 
 def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start, backend) -> mx.array:

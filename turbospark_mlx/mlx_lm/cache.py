@@ -78,6 +78,7 @@ class TurboSparkKVCache:
         if max_rows < 1 or q_block < 1:
             raise ValueError(f"max_rows and q_block must be >= 1, got {max_rows}, {q_block}")
         self.config = _layer_config(get_preset(config))
+        self._config_json = self.config.to_json()  # `state` carries it; built once
         if self.config.is_fp16:
             raise ValueError("a TurboSpark cache needs a compressed preset; fp16 layers use mlx-lm's KVCache")
         self.max_rows = max_rows
@@ -178,7 +179,7 @@ class TurboSparkKVCache:
 
     def _config_meta(self) -> tuple:
         return (
-            self.config.to_json(),
+            self._config_json,
             self.dtype_name or "",
             self.max_rows,
             self.q_block,
