@@ -17,7 +17,7 @@ import pytest
 
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, commit_kv, get_preset, kv_write_target, store_kv
 from turbospark_mlx import attention as attention_module
-from turbospark_mlx.attention import PREFILL_MIN_ROWS, PREFILL_Q_BLOCK, attention_mask
+from turbospark_mlx.attention import PREFILL_MIN_ROWS, PREFILL_SCORE_BYTES, attention_mask
 from turbospark_mlx.gpu import build, decode_mma
 from turbospark_mlx.gpu.backend import KernelUnsupported, auto_backend, use_backend
 from turbospark_mlx.gpu.decode import tq_decode_attention
@@ -370,14 +370,14 @@ def test_dequantize_kernel_matches_ref(d, bits):
         assert mx.array_equal(out, again).item()
 
 
-@pytest.mark.parametrize("q_block", [PREFILL_Q_BLOCK, 24])
+@pytest.mark.parametrize("score_bytes", [PREFILL_SCORE_BYTES, 4 * 8 * 256 * 20])
 @pytest.mark.parametrize("kv,d", [("tq4", 128), ("k8v4", 64), ("tq3", 128), ("plain-tq4", 128)])
-def test_prefill_path_matches_its_oracle(kv, d, q_block, monkeypatch):
+def test_prefill_path_matches_its_oracle(kv, d, score_bytes, monkeypatch):
     """Chunks of >= PREFILL_MIN_ROWS rows on a GPU read the history decoded by tq_dequantize
     (and a protected layer's ring from position - window_rows on) under MLX's fused attention,
-    in blocks of q_block query rows: equal, up to bf16 rounding, to dense attention over the
-    same rows built on the CPU."""
-    monkeypatch.setattr(attention_module, "PREFILL_Q_BLOCK", q_block)
+    in query blocks sized to score_bytes (whole chunks, or blocks of 20 to 40 rows): equal,
+    up to bf16 rounding, to dense attention over the same rows built on the CPU."""
+    monkeypatch.setattr(attention_module, "PREFILL_SCORE_BYTES", score_bytes)
     config = get_preset("tq4").plain() if kv == "plain-tq4" else get_preset(kv).with_(name="p", window_rows=16)
     M = PREFILL_MIN_ROWS
     mx.random.seed(3)

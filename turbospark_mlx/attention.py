@@ -39,10 +39,11 @@ from .quant.tables import SIDES
 # speculative verify (a few rows) does not; the whole-model prefill it gives is in
 # benchmarks/results/generate_e2e.md, the crossover between 4 and 2048 rows is not measured.
 PREFILL_MIN_ROWS = 64
-# Query rows per fused-attention call in that path: each call's scores over the whole history
-# are a transient (at 128k keys, 32 heads, 256 rows: 2 GB in bfloat16); the blocks run one
-# after another, so one block's scores are alive at a time.
-PREFILL_Q_BLOCK = 256
+# Bytes of scores (4 per score) one fused-attention call of that path may hold: a call's scores
+# over the whole history are a transient, so a chunk's rows go in blocks sized to this, one block
+# after another (at 128k keys and 32 query heads, 64 rows; a 2048-row chunk's scores would be
+# 17 GB in bfloat16). At least 16 rows per block.
+PREFILL_SCORE_BYTES = 1 << 30
 
 
 def attention_mask(
@@ -221,9 +222,10 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         sides[s] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     keys, values = sides["k"], sides["v"]
     sinks = None if sinks is None else sinks.astype(dt)  # MLX's fused attention takes them in the output dtype
+    block = max(16, PREFILL_SCORE_BYTES // (4 * queries.shape[0] * queries.shape[1] * end))
     outs = []
-    for a in range(0, M, PREFILL_Q_BLOCK):
-        b = min(M, a + PREFILL_Q_BLOCK)
+    for a in range(0, M, block):
+        b = min(M, a + block)
         q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
         e = position + b  # the block's rows see keys up to their own positions
         if isinstance(kv_start, int):
