@@ -464,3 +464,87 @@ def test_prompt_cache_file_digest_and_fresh_process(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "150", out.stderr[-2000:]
+
+
+BOUNDED = TurboQuantConfig("k8v4", 8, 4).with_(name="k8v4-w8", window_rows=8, sink_rows=4, center_keys=True)
+
+
+def _own_twin(model):
+    """The package's own llama with the tiny mlx-lm llama's weights (same arrays)."""
+    from mlx.utils import tree_flatten
+
+    from turbospark_mlx.models import llama as own_llama
+
+    a = model.args
+    own = own_llama.Model(own_llama.ModelArgs(
+        model_type="llama", hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers,
+        intermediate_size=a.intermediate_size, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+        vocab_size=a.vocab_size, tie_word_embeddings=a.tie_word_embeddings, rope_theta=a.rope_theta,
+    ))  # fmt: skip
+    own.load_weights(tree_flatten(model.parameters()), strict=True)
+    return own
+
+
+def test_bounded_drop_in_matches_own_bounded_cache_with_flat_memory():
+    """make_prompt_cache(..., max_kv_size=N): past N positions (the codes ring wraps) the drop-in
+    follows the own model's bounded cache (8-bit codes: the two differ by their rotations, which
+    the drop-in draws as for layer 0 in every layer) and not an unbounded cache, and its bytes
+    stop growing; the layers it keeps FP16 are mlx-lm's
+    RotatingKVCache(N, keep=4)."""
+    from turbospark_mlx import make_cache
+
+    model = tiny_model("llama")
+    own = _own_twin(model)
+    config = K8V8.with_(name="p", window_rows=8, sink_rows=4, center_keys=True, fp16_last=1)
+    cache = make_prompt_cache(model, config, max_kv_size=40, max_rows=16, q_block=16)
+    free = make_prompt_cache(model, config, max_rows=16, q_block=16)
+    assert [type(c).__name__ for c in cache] == ["TurboSparkKVCache", "TurboSparkKVCache", "RotatingKVCache"]
+    assert cache[2].max_size == 40 and cache[2].keep == 4
+    ref = make_cache(own, config, max_kv_size=40, max_rows=16, dtype=mx.float16)
+    tokens = mx.random.randint(0, 97, (1, 130))
+    sizes, bounded, unbounded = [], [], []
+    # Chunks only below the bound: past it mlx-lm's RotatingKVCache lets a chunk's rows see more
+    # than max_size positions, the own FP16 ring does not.
+    for s, e in [(0, 16), (16, 32)] + [(p, p + 1) for p in range(32, 130)]:
+        want = own(tokens[:, s:e], cache=ref)
+        bounded.append(rel_err(model(tokens[:, s:e], cache=cache), want))
+        unbounded.append(rel_err(model(tokens[:, s:e], cache=free), want))
+        if e >= 100:
+            sizes.append(sum(c.nbytes for c in cache[:2]))
+    assert max(bounded) < 1e-2, bounded
+    assert min(unbounded[-20:]) > 10 * max(bounded), unbounded[-20:]
+    assert len(set(sizes)) == 1, sizes
+    unpatch_model(model)
+
+
+def test_bounded_drop_in_round_trip_and_batch(tmp_path):
+    """A bounded drop-in cache whose rings have wrapped saves and loads (mlx-lm's format) and
+    continues identically; merged into a batch it keeps its bound."""
+    model = tiny_model("llama")
+    prompt = mx.random.randint(0, 97, (90,))
+    cache = make_prompt_cache(model, BOUNDED, max_kv_size=32, max_rows=16, q_block=16)
+    for s in range(0, 89, 16):
+        model(prompt[None, s : min(s + 16, 89)], cache=cache)
+    path = str(tmp_path / "bounded.safetensors")
+    mlx_cache.save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert all(a.max_kv_size == b.max_kv_size == 32 and a.offset == b.offset == 89 for a, b in zip(cache, loaded))
+    want = greedy(model, prompt[-1:], copy.deepcopy(cache), 6)
+    assert greedy(model, prompt[-1:], loaded, 6) == want
+    batch = TurboSparkKVCache.merge([cache[0], copy.deepcopy(cache[0])])
+    assert all(s.max_kv_size == 32 for s in batch.seqs)
+    unpatch_model(model)
+
+
+def test_bounded_drop_in_refuses_bounds_it_cannot_keep():
+    """A bound the FP16 window and sink rows fill, or a preset without them, is refused with the
+    reason before the model is converted."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="leaves nothing to compress"):
+        make_prompt_cache(model, BOUNDED, max_kv_size=12)
+    with pytest.raises(ValueError, match="needs a protected preset"):
+        make_prompt_cache(model, plain("tq4"), max_kv_size=64)
+    with pytest.raises(ValueError, match="int >= 1"):
+        make_prompt_cache(model, BOUNDED, max_kv_size=0)
+    assert not any(hasattr(type(layer.self_attn), "_turbospark_original") for layer in model.layers)

@@ -598,18 +598,21 @@ class KVCacheManager:
         return mx.where(s < end, pos, -1)
 
     def set_layer_arrays(self, layer: int, arrays: dict[str, mx.array], offset: int) -> None:
-        """Replace a growing layer's storage with `arrays` (named as `layer_arrays` gives them).
+        """Replace a layer's storage with `arrays` (named as `layer_arrays` gives them).
 
         For adapters that hold storage between calls in another form (mlx-lm's
-        prompt-cache files, batch merge / filter). Everything is checked before
-        anything changes; `arrays` = {} with offset 0 empties the layer.
+        prompt-cache files, batch merge / filter): a growing layer, or a bounded
+        (max_kv_size) protected layer, whose codes ring maps slots to positions from
+        `offset` alone. Everything is checked before anything changes; `arrays` = {}
+        with offset 0 empties the layer.
         """
         if not 0 <= layer < self.n_layers or layer not in self._layers:
             raise ValueError(f"layer {layer} does not own storage in this {self.n_layers}-layer cache")
         l = self._layers[layer]
-        if l.ring_capacity is not None:
+        bounded = l.ring_capacity is not None and l.recent_capacity > 0
+        if l.ring_capacity is not None and not bounded:
             what = "a bounded (max_kv_size)" if l.keep != l.spec.window else "a sliding-window"
-            raise ValueError(f"layer {layer} is {what} ring; only growing layers can be set")
+            raise ValueError(f"layer {layer} is {what} FP16 ring; only growing and protected layers can be set")
         layout = self._storage_layout(l) if arrays else {}
         if l.recent_capacity and not set(layout) & set(arrays):  # no row has left the window yet
             layout = {}
@@ -629,10 +632,17 @@ class KVCacheManager:
                 raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
         for name, (want, dtype) in fixed.items():
             window.check_fixed(layer, name, arrays[name], want, dtype)
+        if bounded and cap > l.ring_capacity:
+            raise ValueError(f"layer {layer}: {cap} code slots given, the bounded layer's ring holds {l.ring_capacity}")
         held = cap + self.config.window_rows + self.config.sink_rows if l.recent_capacity else cap
-        if not isinstance(offset, int) or not 0 <= offset <= held:
+        if bounded and cap == l.ring_capacity:  # a full ring: any later position maps onto it
+            held = None
+        if not isinstance(offset, int) or offset < 0 or (held is not None and offset > held):
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")
-        if l.recent_capacity and self.quantized_end(layer, offset) - self.config.sink_rows > cap:
+        recent = arrays.get("k_recent")
+        if recent is not None and recent.shape[2] < l.recent_capacity and offset > recent.shape[2]:
+            raise ValueError(f"layer {layer}: offset {offset} needs a full FP16 ring, {recent.shape[2]} slots given")
+        if held is not None and l.recent_capacity and self.quantized_end(layer, offset) - self.config.sink_rows > cap:
             raise ValueError(f"layer {layer}: {offset} positions need more codes than the {cap} given")
         if self.max_context is not None and offset > self.max_context:
             raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")

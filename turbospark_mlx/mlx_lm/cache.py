@@ -62,6 +62,10 @@ class TurboSparkKVCache:
             matrix of a long chunk ((B, Hq, q_block, T) at a time).
         dtype: staging dtype, "float16" or "bfloat16"; by default bfloat16 for
             bfloat16 models, float16 otherwise.
+        max_kv_size: keep the preset's sink rows and the newest max_kv_size - sink_rows
+            positions, in flat memory (mlx-lm's `make_prompt_cache(model, max_kv_size)`
+            bounds its caches the same way); needs a protected preset whose window
+            and sink rows fit inside it. None: every position.
 
     Attributes:
         config: the per-layer preset (bits per side, rotation, seed).
@@ -70,17 +74,38 @@ class TurboSparkKVCache:
     step = 256
 
     def __init__(
-        self, kv: str | TurboQuantConfig = DEFAULT_PRESET, *, max_rows: int = 256, q_block: int = 256, dtype=None
+        self,
+        kv: str | TurboQuantConfig = DEFAULT_PRESET,
+        *,
+        max_rows: int = 256,
+        q_block: int = 256,
+        dtype=None,
+        max_kv_size: int | None = None,
     ):
-        self._setup(kv, max_rows, q_block, dtype)
+        self._setup(kv, max_rows, q_block, dtype, max_kv_size)
 
-    def _setup(self, config: TurboQuantConfig, max_rows: int, q_block: int, dtype: str | None) -> None:
+    def _setup(self, config, max_rows: int, q_block: int, dtype: str | None, max_kv_size: int | None = None) -> None:
         if max_rows < 1 or q_block < 1:
             raise ValueError(f"max_rows and q_block must be >= 1, got {max_rows}, {q_block}")
         self.config = _layer_config(get_preset(config))
         self._config_json = self.config.to_json()  # `state` carries it; built once
         if self.config.is_fp16:
             raise ValueError("a TurboSpark cache needs a compressed preset; fp16 layers use mlx-lm's KVCache")
+        if max_kv_size is not None:
+            fp16 = self.config.sink_rows + self.config.window_rows
+            if not isinstance(max_kv_size, int) or max_kv_size < 1:
+                raise ValueError(f"max_kv_size must be an int >= 1, got {max_kv_size!r}")
+            if not self.config.is_protected:
+                raise ValueError(
+                    f"max_kv_size needs a protected preset (window or sink rows): {self.config.name!r} "
+                    "compresses every position, so its codes cannot rotate behind sink rows"
+                )
+            if max_kv_size <= fp16:
+                raise ValueError(
+                    f"max_kv_size={max_kv_size} leaves nothing to compress: preset {self.config.name!r} keeps "
+                    f"{fp16} rows in FP16 (sink_rows + window_rows); use mlx-lm's RotatingKVCache for this bound"
+                )
+        self.max_kv_size = max_kv_size
         self.max_rows = max_rows
         self.q_block = q_block
         self.dtype_name = dtype
@@ -93,6 +118,7 @@ class TurboSparkKVCache:
             self.config,
             batch_size=batch_size,
             max_rows=self.max_rows,
+            max_kv_size=self.max_kv_size,
             dtype=_DTYPES[self.dtype_name],
             step=self.step,
         )
@@ -184,10 +210,12 @@ class TurboSparkKVCache:
             self.max_rows,
             self.q_block,
             *self.shape,
+            "" if self.max_kv_size is None else self.max_kv_size,
         )
 
-    def _set_config_meta(self, config_json, dtype_name, max_rows, q_block, n_kv_heads, head_dim) -> None:
-        self._setup(TurboQuantConfig.from_json(config_json), int(max_rows), int(q_block), dtype_name or None)
+    def _set_config_meta(self, config_json, dtype_name, max_rows, q_block, n_kv_heads, head_dim, max_kv_size="") -> None:
+        bound = None if max_kv_size in ("", None) else int(max_kv_size)
+        self._setup(TurboQuantConfig.from_json(config_json), int(max_rows), int(q_block), dtype_name or None, bound)
         self.shape = (int(n_kv_heads), int(head_dim))
 
     def _restore(self, arrays: Sequence, offset: int) -> None:
@@ -244,10 +272,12 @@ class TurboSparkKVCache:
         if len(v) <= 9:  # 0.31: arrays only; meta_state follows (it rebuilds the manager)
             self._pending_arrays = v
             return
-        if len(v) < 11:
-            raise ValueError(f"TurboSparkKVCache state has {len(v)} entries, expected 11 or more")
-        self._set_config_meta(*v[-6:])  # arrays, offset, then the six config entries
-        self._restore(v[:-7], int(v[-7]))
+        # Arrays, the offset, then the config entries from its JSON on (6, or 7 with max_kv_size).
+        at = next((i for i, x in enumerate(v) if isinstance(x, str)), None)
+        if at is None or at < 1 or len(v) - at not in (6, 7):
+            raise ValueError(f"TurboSparkKVCache state of {len(v)} entries is not arrays, an offset and its config")
+        self._set_config_meta(*v[at:])
+        self._restore(v[: at - 1], int(v[at - 1]))
 
     @property
     def meta_state(self):
@@ -288,8 +318,13 @@ class TurboSparkBatchKVCache:
     run batched in the model; attention costs one call per sequence.
     """
 
-    def __init__(self, left_padding: Sequence[int], kv=DEFAULT_PRESET, *, max_rows=256, q_block=256, dtype=None):
-        self.seqs = [TurboSparkKVCache(kv, max_rows=max_rows, q_block=q_block, dtype=dtype) for _ in left_padding]
+    def __init__(
+        self, left_padding: Sequence[int], kv=DEFAULT_PRESET, *, max_rows=256, q_block=256, dtype=None, max_kv_size=None
+    ):
+        self.seqs = [
+            TurboSparkKVCache(kv, max_rows=max_rows, q_block=q_block, dtype=dtype, max_kv_size=max_kv_size)
+            for _ in left_padding
+        ]
         self._skip = [int(p) for p in left_padding]  # leading pad rows still to come, per sequence
         self._take: list[int] | None = None  # real rows still to come in a right-padded prompt
 
@@ -377,10 +412,10 @@ class TurboSparkBatchKVCache:
         """A batch of copies of these caches (they stay as they are, e.g. in a prompt cache)."""
         first = caches[0]
         for c in caches:
-            if c.config != first.config:
-                raise ValueError("cannot batch TurboSpark caches built with different presets")
+            if (c.config, c.max_kv_size) != (first.config, first.max_kv_size):
+                raise ValueError("cannot batch TurboSpark caches built with different presets or max_kv_size")
         batch = cls([0] * len(caches), first.config, max_rows=first.max_rows, q_block=first.q_block,
-                    dtype=first.dtype_name)  # fmt: skip
+                    dtype=first.dtype_name, max_kv_size=first.max_kv_size)  # fmt: skip
         batch.seqs = [copy.deepcopy(c) for c in caches]
         return batch
 

@@ -16,7 +16,6 @@ What `make_prompt_cache` does (nothing happens at import):
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -190,11 +189,8 @@ def _convert_attention(model, need: Sequence[int]) -> None:
 def _base_caches(model) -> list:
     from mlx_lm.models.cache import KVCache
 
-    original = getattr(model, "_turbospark_make_cache", None)
-    if original is not None:
-        return original()
-    if hasattr(model, "make_cache"):
-        return model.make_cache()
+    if _has_own_caches(model):
+        return (model._turbospark_make_cache if "_turbospark_make_cache" in vars(model) else model.make_cache)()
     return [KVCache() for _ in model.layers]
 
 
@@ -205,6 +201,7 @@ def make_prompt_cache(
     max_rows: int = 256,
     q_block: int = 256,
     dtype: str | None = None,
+    max_kv_size: int | None = None,
 ) -> list:
     """mlx-lm's prompt cache for `model` with TurboQuant on the full-attention layers.
 
@@ -219,6 +216,12 @@ def make_prompt_cache(
         model: an mlx-lm model (llama/mistral, qwen2, qwen3, gemma3/gemma3_text, gpt_oss).
         kv: preset name or `TurboQuantConfig`.
         max_rows, q_block, dtype: see `TurboSparkKVCache`.
+        max_kv_size: bound every full-attention layer to its first and newest positions:
+            bounded TurboSpark caches on the compressed layers, `RotatingKVCache(max_kv_size,
+            keep=4)` (what `mlx_lm.models.cache.make_prompt_cache(model, max_kv_size)` builds)
+            for each `KVCache` the preset keeps FP16. Unlike mlx-lm's, which ignores the
+            bound for a model with its own `make_cache` (llama, qwen3, gemma3 in 0.32), the
+            bound holds for every model. Sliding-window caches stay as they are.
     Raises:
         NotImplementedError: a layer to compress has an attention module this
             package cannot serve (the model is left unchanged).
@@ -228,6 +231,8 @@ def make_prompt_cache(
     config = get_preset(kv)
     warn_quality(config)
     base = _base_caches(model)
+    if max_kv_size is not None:
+        TurboSparkKVCache(config, max_kv_size=max_kv_size)  # the bound checked before the model changes
     n = len(base)
     if n != len(model.layers):
         raise ValueError(f"the model's cache list has {n} entries for {len(model.layers)} layers")
@@ -235,8 +240,19 @@ def make_prompt_cache(
     _convert_attention(model, chosen)
     register_cache_classes()
     for i in chosen:
-        base[i] = TurboSparkKVCache(config, max_rows=max_rows, q_block=q_block, dtype=dtype)
+        base[i] = TurboSparkKVCache(config, max_rows=max_rows, q_block=q_block, dtype=dtype, max_kv_size=max_kv_size)
+    if max_kv_size is not None:
+        from mlx_lm.models.cache import RotatingKVCache
+
+        base = [RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c for c in base]
     return base
+
+
+def _has_own_caches(model) -> bool:
+    """Whether the model builds its own cache list (before `patch_model` replaced make_cache)."""
+    if "_turbospark_make_cache" in vars(model):
+        return model._turbospark_make_cache is not None
+    return hasattr(model, "make_cache")
 
 
 def patch_model(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs):
@@ -249,9 +265,7 @@ def patch_model(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs):
     """
     make_prompt_cache(model, kv, **kwargs)  # validates and converts before anything is set
     if "_turbospark_make_cache" not in vars(model):
-        model._turbospark_make_cache = getattr(model, "make_cache", None) or (
-            lambda: [sys.modules["mlx_lm.models.cache"].KVCache() for _ in model.layers]
-        )
+        model._turbospark_make_cache = getattr(model, "make_cache", None)  # None: mlx-lm's default list
     model.make_cache = lambda: make_prompt_cache(model, kv, **kwargs)
     return model
 
