@@ -41,9 +41,10 @@ from .quant.tables import SIDES
 PREFILL_MIN_ROWS = 64
 # Bytes of scores (4 per score) one fused-attention call of that path may hold: a call's scores
 # over the whole history are a transient, so a chunk's rows go in blocks sized to this, one block
-# after another (at 128k keys and 32 query heads, 64 rows; a 2048-row chunk's scores would be
-# 17 GB in bfloat16). At least 16 rows per block.
-PREFILL_SCORE_BYTES = 1 << 30
+# after another (at 128k keys and 32 query heads, 256 rows; a 2048-row chunk's scores would be
+# 17 GB in bfloat16). At least 16 rows per block. On the H200 a 1 GiB budget (64-row blocks at
+# 128k) cut prefill to 0.23-0.28x FP16's tokens/s (benchmarks/results/generate_e2e.md).
+PREFILL_SCORE_BYTES = 4 << 30
 
 
 def attention_mask(
