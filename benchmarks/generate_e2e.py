@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -291,7 +292,7 @@ def main() -> None:
         "mlx_lm": mlx_lm.__version__,
         "backend": auto_backend(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + shlex.join(sys.argv),
         "weights_gb": mx.get_active_memory() / 1e9,
         **{k: getattr(args, k) for k in ("rows", "contexts", "chunk", "steps", "rounds", "one_at_a_time")},
     }
