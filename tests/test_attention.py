@@ -169,3 +169,30 @@ def test_tq_reference_key_blocks_change_nothing(monkeypatch):
     monkeypatch.setattr(reference, "REF_KEY_BLOCK", 32)
     got = attention_any(cache, 0, q, sinks=sinks, kv_start=kv_start)
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), mx.abs(got - want).max().item()
+
+
+@pytest.mark.parametrize("kv", ["fp16", "tq4", "k8v4"])
+def test_store_and_attend_equals_store_then_attend(kv):
+    """store_and_attend (the families' write path) gives what store_kv + attention_any give, in
+    chunks and one-token steps past the window; bad rows raise the general path's error and
+    leave the cache as it was."""
+    import copy
+
+    from turbospark_mlx import get_preset, store_and_attend
+
+    config = kv if kv == "fp16" else get_preset(kv).with_(name="p", window_rows=8, sink_rows=2)
+    one = KVCacheManager([LayerSpec(2, 32)], config, max_rows=16)
+    two = copy.deepcopy(one)
+    pos = 0
+    for m in (16, 16, 1, 1, 5, 1):
+        k, v = random_kv(1, 2, m, 32)
+        q = mx.random.normal((1, 4, m, 32))
+        got = store_and_attend(one, 0, q, k, v, pos, sinks=mx.ones((4,)))
+        store_kv(two, 0, pos, k, v)
+        want = attention_any(two, 0, q, pos, sinks=mx.ones((4,)))
+        assert mx.array_equal(got, want).item()
+        pos += m
+    k, v = random_kv(1, 2, 1, 32)
+    with pytest.raises(ValueError, match="layer 0: keys .* and values .* differ in shape"):
+        store_and_attend(one, 0, mx.zeros((1, 4, 1, 32)), k, v[:, :, :, :16], pos)
+    assert one.layer_offset(0) == pos and not one.stage.pending
