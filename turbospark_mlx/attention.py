@@ -232,7 +232,8 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         if isinstance(kv_start, int):
             k, v, mask = keys[:, :, kv_start:e], values[:, :, kv_start:e], "causal"
         else:
-            k, v, mask = keys[:, :, :e], values[:, :, :e], attention_mask(mx.arange(e), mx.arange(position + a, e), kv_start)
+            mask = attention_mask(mx.arange(e), mx.arange(position + a, e), kv_start)
+            k, v = keys[:, :, :e], values[:, :, :e]
         outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     # Evaluated here, so this layer's decoded history is freed before the next layer decodes its
@@ -397,11 +398,14 @@ class ProtectedStep:
     are built once (a decode step calls this for every layer; host time bounds the step,
     docs/decode_kernels.md). `usable` says whether the kernels take the shape."""
 
-    def __init__(self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool):
+    def __init__(
+        self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool
+    ) -> None:
         config, quant = cache.config, l.quant
         self.S, self.W, self.R = config.sink_rows, config.window_rows, l.recent_capacity
         self.dtype, self.rows = cache.dtype, queries.shape[2]
-        self.mma: MmaLaunch = mma_launch(quant, queries, l.spec.n_kv_heads, scale, starts, has_sink, has_extra=True)
+        Hkv = l.spec.n_kv_heads
+        self.mma: MmaLaunch = mma_launch(quant, queries, Hkv, scale, starts, has_sink, has_extra=True)
         self.usable = self.mma.reason is None and self.mma.per >= self.rows
         if self.usable:
             self.prep = CommitDense(
@@ -422,7 +426,8 @@ class ProtectedStep:
             a[name][:, :, first - self.S : first - self.S + M] = r
         l.offset = position + M
         # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
-        shifted = mx.maximum(kv_start - self.S, 0) if isinstance(kv_start, mx.array) else max(kv_start - self.S, 0)
+        S = self.S
+        shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
         codes = [a[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
         return self.mma(queries, *codes, position - self.W - self.S, shifted, sinks, extra=extra)
 
@@ -430,7 +435,9 @@ class ProtectedStep:
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start) -> ProtectedStep | None:
+def _protected_step(
+    cache, layer, queries, keys, values, position, scale, sinks, kv_start
+) -> ProtectedStep | None:
     """The ProtectedStep for this call, or None where the general path serves it: another
     backend or layer kind, a query row that reads no codes yet, a ring not at its full size or
     a write that wraps it, rows that do not match the layer (the general path names the

@@ -612,7 +612,9 @@ class KVCacheManager:
         bounded = l.ring_capacity is not None and l.recent_capacity > 0
         if l.ring_capacity is not None and not bounded:
             what = "a bounded (max_kv_size)" if l.keep != l.spec.window else "a sliding-window"
-            raise ValueError(f"layer {layer} is {what} FP16 ring; only growing and protected layers can be set")
+            raise ValueError(
+                f"layer {layer} is {what} FP16 ring; only growing and protected layers can be set"
+            )
         layout = self._storage_layout(l) if arrays else {}
         if l.recent_capacity and not set(layout) & set(arrays):  # no row has left the window yet
             layout = {}
@@ -633,7 +635,9 @@ class KVCacheManager:
         for name, (want, dtype) in fixed.items():
             window.check_fixed(layer, name, arrays[name], want, dtype)
         if bounded and cap > l.ring_capacity:
-            raise ValueError(f"layer {layer}: {cap} code slots given, the bounded layer's ring holds {l.ring_capacity}")
+            raise ValueError(
+                f"layer {layer}: {cap} code slots given, the bounded layer's ring holds {l.ring_capacity}"
+            )
         held = cap + self.config.window_rows + self.config.sink_rows if l.recent_capacity else cap
         if bounded and cap == l.ring_capacity:  # a full ring: any later position maps onto it
             held = None
@@ -641,8 +645,11 @@ class KVCacheManager:
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")
         recent = arrays.get("k_recent")
         if recent is not None and recent.shape[2] < l.recent_capacity and offset > recent.shape[2]:
-            raise ValueError(f"layer {layer}: offset {offset} needs a full FP16 ring, {recent.shape[2]} slots given")
-        if held is not None and l.recent_capacity and self.quantized_end(layer, offset) - self.config.sink_rows > cap:
+            raise ValueError(
+                f"layer {layer}: offset {offset} needs a full FP16 ring, {recent.shape[2]} slots given"
+            )
+        codes_needed = self.quantized_end(layer, offset) - self.config.sink_rows if l.recent_capacity else 0
+        if held is not None and codes_needed > cap:
             raise ValueError(f"layer {layer}: {offset} positions need more codes than the {cap} given")
         if self.max_context is not None and offset > self.max_context:
             raise ValueError(f"layer {layer}: offset {offset} exceeds max_context={self.max_context}")

@@ -17,8 +17,10 @@ from .build import LAUNCHES, cuda_kernel, launch
 THREADS = 128
 
 
-def _dense_template(queries: mx.array, Hkv: int, v_side: SideQuant, scale: float, has_mean: bool, starts: bool,
-                    sink_rows: int, window_rows: int, ring_capacity: int) -> list[tuple]:  # fmt: skip
+def _dense_template(
+    queries: mx.array, Hkv: int, v_side: SideQuant, scale: float, has_mean: bool, starts: bool,
+    sink_rows: int, window_rows: int, ring_capacity: int,
+) -> list[tuple]:  # fmt: skip
     B, Hq, M, D = queries.shape
     G = Hq // Hkv
     return [
@@ -73,8 +75,10 @@ def tq_dense_partial(
     B, Hq, M, D = queries.shape
     Hkv = arrays["k_recent"].shape[1]
     G = Hq // Hkv
-    template = _dense_template(queries, Hkv, v_side, scale, "k_mean" in arrays, isinstance(kv_start, mx.array),
-                               sink_rows, window_rows, ring_capacity)  # fmt: skip
+    starts = isinstance(kv_start, mx.array)
+    template = _dense_template(
+        queries, Hkv, v_side, scale, "k_mean" in arrays, starts, sink_rows, window_rows, ring_capacity
+    )
     (part,) = launch(
         "tq_dense_partial",
         "cuda",
@@ -106,7 +110,8 @@ class CommitDense:
                      ("VB", quant.v.bits), ("VW", quant.v.words)]  # fmt: skip
         self.kernel = cuda_kernel("tq_commit_dense", tuple(template))
         self.quant, self.sink_rows, self.batch = quant, sink_rows, B
-        self.tables = [rotation_arg(quant.k)[1], padded_table(quant.k, "boundaries"), padded_table(quant.v, "boundaries")]
+        k_bnd, v_bnd = padded_table(quant.k, "boundaries"), padded_table(quant.v, "boundaries")
+        self.tables = [rotation_arg(quant.k)[1], k_bnd, v_bnd]
         self.v_rot = rotation_arg(quant.v)[1]
         self.BH, self.R, self.D = B * Hkv, (Hq // Hkv) * M, D
         self.threadgroup = (THREADS, 1, 1)
@@ -128,7 +133,8 @@ class CommitDense:
     def __call__(self, queries, arrays, position: int, kv_start, first: int, n: int) -> list[mx.array]:
         """[k_codes, k_norms, v_codes, v_norms] of positions [first, first + n), and the partial."""
         grid, shapes, dtypes = self._shapes(n)
-        sinks = (arrays["k_sinks"], arrays["v_sinks"]) if self.sink_rows else (arrays["k_recent"], arrays["v_recent"])
+        side = "sinks" if self.sink_rows else "recent"  # without sink rows, any array of the dtype
+        sinks = (arrays[f"k_{side}"], arrays[f"v_{side}"])
         mean = arrays.get("k_mean")
         LAUNCHES["tq_commit_dense"] += 1
         return self.kernel(

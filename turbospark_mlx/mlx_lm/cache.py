@@ -84,7 +84,9 @@ class TurboSparkKVCache:
     ):
         self._setup(kv, max_rows, q_block, dtype, max_kv_size)
 
-    def _setup(self, config, max_rows: int, q_block: int, dtype: str | None, max_kv_size: int | None = None) -> None:
+    def _setup(
+        self, config, max_rows: int, q_block: int, dtype: str | None, max_kv_size: int | None = None
+    ) -> None:
         if max_rows < 1 or q_block < 1:
             raise ValueError(f"max_rows and q_block must be >= 1, got {max_rows}, {q_block}")
         self.config = _layer_config(get_preset(config))
@@ -213,9 +215,12 @@ class TurboSparkKVCache:
             "" if self.max_kv_size is None else self.max_kv_size,
         )
 
-    def _set_config_meta(self, config_json, dtype_name, max_rows, q_block, n_kv_heads, head_dim, max_kv_size="") -> None:
+    def _set_config_meta(
+        self, config_json, dtype_name, max_rows, q_block, n_kv_heads, head_dim, max_kv_size=""
+    ) -> None:
         bound = None if max_kv_size in ("", None) else int(max_kv_size)
-        self._setup(TurboQuantConfig.from_json(config_json), int(max_rows), int(q_block), dtype_name or None, bound)
+        config = TurboQuantConfig.from_json(config_json)
+        self._setup(config, int(max_rows), int(q_block), dtype_name or None, bound)
         self.shape = (int(n_kv_heads), int(head_dim))
 
     def _restore(self, arrays: Sequence, offset: int) -> None:
@@ -275,7 +280,9 @@ class TurboSparkKVCache:
         # Arrays, the offset, then the config entries from its JSON on (6, or 7 with max_kv_size).
         at = next((i for i, x in enumerate(v) if isinstance(x, str)), None)
         if at is None or at < 1 or len(v) - at not in (6, 7):
-            raise ValueError(f"TurboSparkKVCache state of {len(v)} entries is not arrays, an offset and its config")
+            raise ValueError(
+                f"TurboSparkKVCache state of {len(v)} entries is not arrays, an offset and its config"
+            )
         self._set_config_meta(*v[at:])
         self._restore(v[: at - 1], int(v[at - 1]))
 
@@ -319,7 +326,14 @@ class TurboSparkBatchKVCache:
     """
 
     def __init__(
-        self, left_padding: Sequence[int], kv=DEFAULT_PRESET, *, max_rows=256, q_block=256, dtype=None, max_kv_size=None
+        self,
+        left_padding: Sequence[int],
+        kv=DEFAULT_PRESET,
+        *,
+        max_rows=256,
+        q_block=256,
+        dtype=None,
+        max_kv_size=None,
     ):
         self.seqs = [
             TurboSparkKVCache(kv, max_rows=max_rows, q_block=q_block, dtype=dtype, max_kv_size=max_kv_size)

@@ -190,7 +190,8 @@ def _base_caches(model) -> list:
     from mlx_lm.models.cache import KVCache
 
     if _has_own_caches(model):
-        return (model._turbospark_make_cache if "_turbospark_make_cache" in vars(model) else model.make_cache)()
+        own = vars(model).get("_turbospark_make_cache") or model.make_cache
+        return own()
     return [KVCache() for _ in model.layers]
 
 
@@ -240,7 +241,9 @@ def make_prompt_cache(
     _convert_attention(model, chosen)
     register_cache_classes()
     for i in chosen:
-        base[i] = TurboSparkKVCache(config, max_rows=max_rows, q_block=q_block, dtype=dtype, max_kv_size=max_kv_size)
+        base[i] = TurboSparkKVCache(
+            config, max_rows=max_rows, q_block=q_block, dtype=dtype, max_kv_size=max_kv_size
+        )
     if max_kv_size is not None:
         from mlx_lm.models.cache import RotatingKVCache
 
