@@ -439,9 +439,9 @@ def _protected_step(
     cache, layer, queries, keys, values, position, scale, sinks, kv_start
 ) -> ProtectedStep | None:
     """The ProtectedStep for this call, or None where the general path serves it: another
-    backend or layer kind, a query row that reads no codes yet, a ring not at its full size or
-    a write that wraps it, rows that do not match the layer (the general path names the
-    problem), a half-done write."""
+    backend or layer kind, more than one row, a query row that reads no codes yet, a ring not
+    at its full size, rows that do not match the layer (the general path names the problem),
+    a half-done write."""
     l = cache._layers.get(layer)
     if l is None or not l.recent_capacity or l.keep is not None or cache.stage.pending:
         return None
@@ -453,8 +453,7 @@ def _protected_step(
         position != l.offset
         or position < config.sink_rows + config.window_rows + 1  # the key mean is set, every row reads codes
         or a["k_recent"].shape[2] != R
-        or position % R + M > R
-        or M > cache.max_rows
+        or M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
         or not isinstance(kv_start, (int, mx.array))
     ):
         return None
