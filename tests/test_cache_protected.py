@@ -233,3 +233,58 @@ def test_uncommitted_write_takes_ring_slots_from_trim():
     qq = q[:, :, 89:90]
     assert mx.array_equal(attention_any(cache, 0, qq, 89), attention_any(shorter, 0, qq, 89)).item()
 
+
+
+def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch):
+    """The CUDA decode step's own path (attention.ProtectedStep) keeps the cache as store_kv
+    does: with its two kernels replaced by their references on the CPU (the commit quantizes
+    the rows leaving the window with quantize_ref; the attention is not computed), the FP16
+    ring, sink rows, key mean, codes, norms and offsets after every step equal the general
+    path's, across growth of the codes storage (step 16) and wraps of the ring. The kernels
+    themselves are checked on the GPU (tests/test_gpu_kernels.py)."""
+    import copy
+
+    from turbospark_mlx import attention
+    from turbospark_mlx.cache.window import ring_rows
+    from turbospark_mlx.quant.reference import quantize_ref
+
+    class Commit:  # tq_commit_dense: codes of positions [first, first + n) from the rings
+        def __init__(self, quant, queries, arrays, **kw):
+            self.quant, self.R = quant, kw["ring_capacity"]
+
+        def __call__(self, queries, a, position, kv_start, first, n):
+            k = ring_rows(a["k_recent"], first, first + n, self.R).astype(mx.float32)
+            if "k_mean" in a:
+                k = k - a["k_mean"][:, :, None]
+            v = ring_rows(a["v_recent"], first, first + n, self.R)
+            return [*quantize_ref(k, self.quant.k), *quantize_ref(v, self.quant.v), mx.zeros((1,))]
+
+    class Mma:  # tq_decode_mma: takes every shape; returns zeros of the queries' shape
+        reason, per = None, 16
+
+        def __call__(self, queries, *codes, extra=None):
+            return mx.zeros_like(queries)
+
+    config = protected(window=8, sinks=2)
+    fast = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=8, step=16)
+    k, v, q = data(120, bias=2.0)
+    for p in range(0, 24, 8):  # past sink + window rows: codes and a key mean exist
+        store_kv(fast, 0, p, k[:, :, p : p + 8], v[:, :, p : p + 8])
+    general = copy.deepcopy(fast)
+    monkeypatch.setattr(attention, "CommitDense", Commit)
+    monkeypatch.setattr(attention, "mma_launch", lambda *a, **kw: Mma())
+    monkeypatch.setattr(attention._backend, "current_backend", lambda: "cuda")
+    steps = 0
+    for p in range(24, 120):
+        rows = (k[:, :, p : p + 1], v[:, :, p : p + 1])
+        steps += attention._protected_step(fast, 0, q[:, :, :1], *rows, p, None, None, 0) is not None
+        attention.store_and_attend(fast, 0, q[:, :, :1], *rows, p)
+        with monkeypatch.context() as m:
+            m.setattr(attention._backend, "current_backend", lambda: "reference")
+            store_kv(general, 0, p, *rows)
+        assert fast.layer_offset(0) == general.layer_offset(0) == p + 1
+        got, want = fast.layer_arrays(0), general.layer_arrays(0)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert got[name].shape == want[name].shape and mx.array_equal(got[name], want[name]).item(), (p, name)
+    assert steps == 120 - 24  # every step took the own path (the ring is full from position 16 on)
