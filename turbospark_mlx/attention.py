@@ -414,22 +414,23 @@ class ProtectedStep:
             )  # fmt: skip
 
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
-        l, M = cache._layers[layer], self.rows
+        l, M, S, W = cache._layers[layer], self.rows, self.S, self.W
         a = l.arrays
         s = position % self.R
         for name, rows in (("k_recent", keys), ("v_recent", values)):
             a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        first = position - self.W  # positions [first, first + M) leave the window: slots first - S
-        cache._reserve(l, first + M - self.S)
+        first = position - W  # positions [first, first + M) leave the window: slots first - S
+        cache._reserve(l, first + M - S)
         *codes, extra = self.prep(queries, a, position, kv_start, first, M)
-        for name, r in zip(("k_codes", "k_norms", "v_codes", "v_norms"), codes):
-            a[name][:, :, first - self.S : first - self.S + M] = r
+        for name, r in zip(_CODES, codes):
+            a[name][:, :, first - S : first - S + M] = r
         l.offset = position + M
         # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
-        S = self.S
         shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
-        codes = [a[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
-        return self.mma(queries, *codes, position - self.W - self.S, shifted, sinks, extra=extra)
+        return self.mma(queries, *(a[n] for n in _CODES), position - W - S, shifted, sinks, extra=extra)
+
+
+_CODES = ("k_codes", "k_norms", "v_codes", "v_norms")
 
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
@@ -455,7 +456,8 @@ def _protected_step(
         or a["k_recent"].shape[2] != R
         or M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
         or not isinstance(kv_start, (int, mx.array))
-    ):
+        or (kv_start if isinstance(kv_start, int) else int(np.asarray(kv_start).max())) > position
+    ):  # (a start past the row: the general path names the problem)
         return None
     B, Hkv, D = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim
     qs = queries.shape
