@@ -111,8 +111,7 @@ class CommitDense:
         self.kernel = cuda_kernel("tq_commit_dense", tuple(template))
         self.quant, self.sink_rows, self.batch = quant, sink_rows, B
         k_bnd, v_bnd = padded_table(quant.k, "boundaries"), padded_table(quant.v, "boundaries")
-        self.tables = [rotation_arg(quant.k)[1], k_bnd, v_bnd]
-        self.v_rot = rotation_arg(quant.v)[1]
+        self.tables = [rotation_arg(quant.k)[1], k_bnd, v_bnd]  # after tq_dense_partial's inputs
         self.BH, self.R, self.D = B * Hkv, (Hq // Hkv) * M, D
         self.threadgroup = (THREADS, 1, 1)
         self.by_rows: dict[int, tuple] = {}
@@ -133,23 +132,10 @@ class CommitDense:
     def __call__(self, queries, arrays, position: int, kv_start, first: int, n: int) -> list[mx.array]:
         """[k_codes, k_norms, v_codes, v_norms] of positions [first, first + n), and the partial."""
         grid, shapes, dtypes = self._shapes(n)
-        side = "sinks" if self.sink_rows else "recent"  # without sink rows, any array of the dtype
-        sinks = (arrays[f"k_{side}"], arrays[f"v_{side}"])
-        mean = arrays.get("k_mean")
+        dense = _dense_inputs(queries, arrays, self.quant.v, position, kv_start, self.sink_rows)
         LAUNCHES["tq_commit_dense"] += 1
         return self.kernel(
-            inputs=[
-                queries,
-                *sinks,
-                arrays["k_recent"],
-                arrays["v_recent"],
-                _ZEROS8 if mean is None else mean,
-                self.v_rot,
-                *step_args(position, kv_start, self.batch),
-                *self.tables,
-                length_arg(first),
-                length_arg(n),
-            ],
+            inputs=[*dense, *self.tables, length_arg(first), length_arg(n)],
             grid=grid,
             threadgroup=self.threadgroup,
             output_shapes=shapes,
