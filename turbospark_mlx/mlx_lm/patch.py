@@ -189,10 +189,11 @@ def _convert_attention(model, need: Sequence[int]) -> None:
 def _base_caches(model) -> list:
     from mlx_lm.models.cache import KVCache
 
-    if _has_own_caches(model):
-        own = vars(model).get("_turbospark_make_cache") or model.make_cache
-        return own()
-    return [KVCache() for _ in model.layers]
+    if "_turbospark_make_cache" in vars(model):  # patched: the model's own make_cache, or None
+        own = model._turbospark_make_cache
+    else:
+        own = getattr(model, "make_cache", None)
+    return own() if own is not None else [KVCache() for _ in model.layers]
 
 
 def make_prompt_cache(
@@ -249,13 +250,6 @@ def make_prompt_cache(
 
         base = [RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c for c in base]
     return base
-
-
-def _has_own_caches(model) -> bool:
-    """Whether the model builds its own cache list (before `patch_model` replaced make_cache)."""
-    if "_turbospark_make_cache" in vars(model):
-        return model._turbospark_make_cache is not None
-    return hasattr(model, "make_cache")
 
 
 def patch_model(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs):
