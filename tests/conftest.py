@@ -54,3 +54,36 @@ def assert_same_state(a: dict, b: dict):
                 assert a[key][name] == b[key][name]
             else:
                 assert mx.array_equal(a[key][name], b[key][name]).item(), (key, name)
+
+
+def prefill_reference(cache: KVCacheManager, layer: int, q: mx.array, pos: int, sinks=None) -> mx.array:
+    """What the prefill path (`attention._prefill_attention`) computes for the M query rows at
+    [pos, pos + M), in float32 on the CPU: dense attention, causal, over the history decoded by
+    `dequantize_ref` and, on a protected layer, the sink rows and the ring's rows from
+    pos - window_rows on."""
+    from turbospark_mlx.quant import dequantize_ref
+    from turbospark_mlx.quant.reference import fp16_attention_ref
+
+    config, a, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
+    end = pos + q.shape[2]
+    with mx.stream(mx.cpu):
+        rows = {}
+        for s in ("k", "v"):
+            if not config.is_protected:
+                codes, norms = a[f"{s}_codes"][:, :, :end], a[f"{s}_norms"][:, :, :end]
+                rows[s] = dequantize_ref(codes, norms, quant.side(s))
+                continue
+            mean = a.get("k_mean") if s == "k" and config.center_keys else None
+            S, W = config.sink_rows, config.window_rows
+            lo = max(S, pos - W)
+            parts = [a[f"{s}_sinks"][:, :, : min(S, end)].astype(mx.float32)]
+            if lo > S:
+                codes, norms = a[f"{s}_codes"][:, :, : lo - S], a[f"{s}_norms"][:, :, : lo - S]
+                x = dequantize_ref(codes, norms, quant.side(s))
+                parts.append(x if mean is None else x + mean[:, :, None])
+            at = mx.arange(lo, end) % cache.recent_capacity(layer)
+            parts.append(mx.take(a[f"{s}_recent"], at, axis=2).astype(mx.float32))
+            rows[s] = mx.concatenate(parts, axis=2)
+        qp, kp = mx.arange(pos, end)[:, None], mx.arange(end)[None]
+        return fp16_attention_ref(q.astype(mx.float32), rows["k"], rows["v"], scale=q.shape[-1] ** -0.5,
+                                  mask=(kp <= qp)[None, None], sinks=sinks)

@@ -196,3 +196,36 @@ def test_store_and_attend_equals_store_then_attend(kv):
     with pytest.raises(ValueError, match="layer 0: keys .* and values .* differ in shape"):
         store_and_attend(one, 0, mx.zeros((1, 4, 1, 32)), k, v[:, :, :, :16], pos)
     assert one.layer_offset(0) == pos and not one.stage.pending
+
+
+@pytest.mark.parametrize("kv", ["tq4", "plain-tq4"])
+def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
+    """Where MLX has no fused attention for the shape (its CPU backend has none), a prefill
+    chunk's rows go in query blocks sized to PREFILL_SCORE_BYTES, one after another: the same
+    result as the oracle of the path, on a history decoded by the reference dequantize."""
+    from conftest import prefill_reference
+    from turbospark_mlx import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "PREFILL_SCORE_BYTES", 4 * 8 * 128 * 24)  # 24 rows at 128 keys
+    config = plain("tq4")
+    if kv == "tq4":
+        config = config.with_(window_rows=16, sink_rows=4, center_keys=True)
+    M, D = 48, 64
+    cache = KVCacheManager([LayerSpec(2, D)], config, max_rows=M)
+    sdpa, calls = mx.fast.scaled_dot_product_attention, []
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[2], kw.get("force_fused", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    for pos in range(0, 3 * M, M):
+        fill_at = random_kv(1, 2, M, D, scale=2.0)
+        store_kv(cache, 0, pos, *fill_at)
+        q = mx.random.normal((1, 8, M, D))
+        out = attention_module._prefill_attention(cache, 0, q, pos, D**-0.5, None, 0, "reference")
+        ref = prefill_reference(cache, 0, q, pos)
+        assert mx.abs(out - ref).max().item() < 1e-4, pos
+        block = max(16, 4 * 8 * 128 * 24 // (4 * 8 * (pos + M)))
+        assert calls == [(M, True)] + [(min(block, M - i), False) for i in range(0, M, block)], (pos, calls)
+        calls.clear()

@@ -15,9 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import prefill_reference
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, commit_kv, get_preset, kv_write_target, store_kv
 from turbospark_mlx import attention as attention_module
-from turbospark_mlx.attention import PREFILL_MIN_ROWS, PREFILL_SCORE_BYTES, attention_mask
+from turbospark_mlx.attention import PREFILL_MIN_ROWS, attention_mask
 from turbospark_mlx.gpu import build, decode_mma
 from turbospark_mlx.gpu.backend import KernelUnsupported, auto_backend, use_backend
 from turbospark_mlx.gpu.decode import tq_decode_attention
@@ -370,14 +371,24 @@ def test_dequantize_kernel_matches_ref(d, bits):
         assert mx.array_equal(out, again).item()
 
 
-@pytest.mark.parametrize("score_bytes", [PREFILL_SCORE_BYTES, 4 * 8 * 256 * 20])
+@pytest.mark.parametrize("path", ["fused", "blocks"])
 @pytest.mark.parametrize("kv,d", [("tq4", 128), ("k8v4", 64), ("tq3", 128), ("plain-tq4", 128)])
-def test_prefill_path_matches_its_oracle(kv, d, score_bytes, monkeypatch):
+def test_prefill_path_matches_its_oracle(kv, d, path, monkeypatch):
     """Chunks of >= PREFILL_MIN_ROWS rows on a GPU read the history decoded by tq_dequantize
     (and a protected layer's ring from position - window_rows on) under MLX's fused attention,
-    in query blocks sized to score_bytes (whole chunks, or blocks of 20 to 40 rows): equal,
-    up to bf16 rounding, to dense attention over the same rows built on the CPU."""
-    monkeypatch.setattr(attention_module, "PREFILL_SCORE_BYTES", score_bytes)
+    the whole chunk in one call ("fused"), or, where MLX has no fused kernel (made to refuse
+    here), in query blocks of 20 to 40 rows ("blocks"): equal, up to bf16 rounding, to dense
+    attention over the same rows built on the CPU."""
+    sdpa, calls = mx.fast.scaled_dot_product_attention, []
+
+    def spy(q, k, v, *, force_fused=False, **kw):
+        calls.append((q.shape[2], force_fused))
+        if path == "blocks" and force_fused:
+            raise ValueError("no fused kernel (made to refuse by the test)")
+        return sdpa(q, k, v, force_fused=force_fused, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_module, "PREFILL_SCORE_BYTES", 4 * 8 * 256 * 20)
     config = get_preset("tq4").plain() if kv == "plain-tq4" else get_preset(kv).with_(name="p", window_rows=16)
     M = PREFILL_MIN_ROWS
     mx.random.seed(3)
@@ -391,28 +402,16 @@ def test_prefill_path_matches_its_oracle(kv, d, score_bytes, monkeypatch):
         with use_backend(BACKEND):
             out = attention_any(cache, 0, q, pos, sinks=mx.ones((8,)))
             again = attention_any(cache, 0, q, pos, sinks=mx.ones((8,)))
-        a, quant, end = cache.layer_arrays(0), cache.layer_quant(0), pos + M
-        with mx.stream(mx.cpu):
-            rows = {}
-            for s in ("k", "v"):
-                mean = a.get("k_mean") if s == "k" and config.center_keys else None
-                if not config.is_protected:
-                    rows[s] = dequantize_ref(a[f"{s}_codes"][:, :, :end], a[f"{s}_norms"][:, :, :end], quant.side(s))
-                    continue
-                S, W = config.sink_rows, config.window_rows
-                lo = max(S, pos - W)
-                parts = [a[f"{s}_sinks"].astype(mx.float32)]
-                if lo > S:
-                    x = dequantize_ref(a[f"{s}_codes"][:, :, : lo - S], a[f"{s}_norms"][:, :, : lo - S], quant.side(s))
-                    parts.append(x if mean is None else x + mean[:, :, None])
-                at = mx.arange(lo, end) % cache.recent_capacity(0)
-                parts.append(mx.take(a[f"{s}_recent"], at, axis=2).astype(mx.float32))
-                rows[s] = mx.concatenate(parts, axis=2)
-            qp, kp = mx.arange(pos, end)[:, None], mx.arange(end)[None]
-            ref = fp16_attention_ref(q.astype(mx.float32), rows["k"], rows["v"], scale=d**-0.5,
-                                     mask=(kp <= qp)[None, None], sinks=mx.ones((8,)))
+        ref = prefill_reference(cache, 0, q, pos, sinks=mx.ones((8,)))
+        end = pos + M
         assert mx.array_equal(out, again).item()
         assert _rel(out, ref) < 1e-2, (pos, _rel(out, ref))
+        expected = [(M, True)]  # per attention_any call: the whole chunk, fused
+        if path == "blocks":  # refused, then blocks of the budget's rows
+            block = max(16, 4 * 8 * 256 * 20 // (4 * 8 * end))
+            expected += [(min(block, M - i), False) for i in range(0, M, block)]
+        assert calls == 2 * expected, (pos, calls)
+        calls.clear()
 
 
 @pytest.mark.parametrize("kb,vb,d", [(4, 4, 128), (8, 4, 64), (3, 3, 96)])

@@ -39,11 +39,13 @@ from .quant.tables import SIDES
 # speculative verify (a few rows) does not; the whole-model prefill it gives is in
 # benchmarks/results/generate_e2e.md, the crossover between 4 and 2048 rows is not measured.
 PREFILL_MIN_ROWS = 64
-# Bytes of scores (4 per score) one fused-attention call of that path may hold: a call's scores
-# over the whole history are a transient, so a chunk's rows go in blocks sized to this, one block
-# after another (at 128k keys and 32 query heads, 256 rows; a 2048-row chunk's scores would be
-# 17 GB in bfloat16). At least 16 rows per block. On the H200 a 1 GiB budget (64-row blocks at
-# 128k) cut prefill to 0.23-0.28x FP16's tokens/s (benchmarks/results/generate_e2e.md).
+# Where MLX has no fused attention for a prefill call's shape (its CPU backend; head_dim above 128
+# on CUDA), its attention holds the scores over the whole history: bytes of scores (4 per score)
+# one such call may hold, so a chunk's rows go in blocks sized to this, one after another (at 128k
+# keys and 32 query heads, 256 rows; a 2048-row chunk's scores would be 34 GB). At least 16 rows
+# per block. Fused attention (cuDNN's on CUDA) holds no scores and takes the whole chunk: in blocks
+# of 64 or 256 rows a 128k prefill ran at 0.23x and 0.57x FP16's tokens/s on the H200
+# (benchmarks/results/generate_e2e.md), each block re-reading the history with a partly idle grid.
 PREFILL_SCORE_BYTES = 4 << 30
 
 
@@ -202,6 +204,7 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
     dtype (one dequantize launch per side) under `mx.fast.scaled_dot_product_attention`,
     causal inside the chunk. A protected layer's positions from position - window_rows on
     come from its FP16 ring: each row reads at least the FP16 rows a one-token step reads."""
+    mx.eval(queries)  # the previous layer's call is done: its decoded history is freed
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     M, dt = queries.shape[2], queries.dtype
     end = position + M
@@ -223,22 +226,33 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         sides[s] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
     keys, values = sides["k"], sides["v"]
     sinks = None if sinks is None else sinks.astype(dt)  # MLX's fused attention takes them in the output dtype
-    block = max(16, PREFILL_SCORE_BYTES // (4 * queries.shape[0] * queries.shape[1] * end))
-    outs = []
-    for a in range(0, M, block):
-        b = min(M, a + block)
-        q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
-        e = position + b  # the block's rows see keys up to their own positions
+
+    def rows(a: int, b: int, q: mx.array, fused: bool) -> mx.array:
+        """Query rows [a, b) of the chunk; they see keys up to their own positions."""
+        e = position + b
         if isinstance(kv_start, int):
             k, v, mask = keys[:, :, kv_start:e], values[:, :, kv_start:e], "causal"
         else:
             mask = attention_mask(mx.arange(e), mx.arange(position + a, e), kv_start)
             k, v = keys[:, :, :e], values[:, :, :e]
-        outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    # Evaluated here, so this layer's decoded history is freed before the next layer decodes its
-    # own: evaluated with the whole chunk, every layer's history would be alive at once.
-    mx.eval(out)
+        sdpa = mx.fast.scaled_dot_product_attention
+        return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, force_fused=fused)
+
+    try:  # a fused kernel (cuDNN's on CUDA) holds no scores: the whole chunk in one call
+        out = rows(0, M, queries, fused=True)
+    except ValueError:  # MLX has no fused kernel for this shape: its unfused attention holds the
+        # scores, so the rows go in blocks whose scores fit the budget, one after another
+        block = max(16, PREFILL_SCORE_BYTES // (4 * queries.shape[0] * queries.shape[1] * end))
+        outs = []
+        for a in range(0, M, block):
+            b = min(M, a + block)
+            q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
+            outs.append(rows(a, b, q, fused=False))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    # Started here and waited for at the next layer's entry, so one layer's decoded history is
+    # alive at a time (evaluated with the whole chunk, every layer's would be) while the host
+    # builds the rest of this layer and the next one's projections.
+    mx.async_eval(out)
     return out
 
 
