@@ -299,14 +299,16 @@ def main() -> None:
     print(json.dumps(meta), flush=True)
     for r in args.rows:
         warm_up(models, r, args.chunk)
-    contexts = [bench_context(models, c, args) for c in args.contexts]
-    text = markdown(meta, contexts)
     out = args.out or str(real)
     if args.tiny and not args.out:
         out = str(Path(tempfile.mkdtemp(prefix="generate_e2e_")) / "generate_e2e")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out + ".json").write_text(json.dumps({"meta": meta, "contexts": contexts}, indent=1))
-    Path(out + ".md").write_text(text)
+    contexts = []
+    for c in args.contexts:  # written after each context, so a run cut short keeps what it measured
+        contexts.append(bench_context(models, c, args))
+        text = markdown(meta, contexts)
+        Path(out + ".json").write_text(json.dumps({"meta": meta, "contexts": contexts}, indent=1))
+        Path(out + ".md").write_text(text)
     print(text)
     print(f"wrote {out}.json and .md")
 
