@@ -12,6 +12,8 @@ from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset  # noqa:
 import mlx.core as mx
 import pytest
 
+from turbospark_mlx.quant.reference import dequantize_ref, fp16_attention_ref
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -61,9 +63,6 @@ def prefill_reference(cache: KVCacheManager, layer: int, q: mx.array, pos: int, 
     [pos, pos + M), in float32 on the CPU: dense attention, causal, over the history decoded by
     `dequantize_ref` and, on a protected layer, the sink rows and the ring's rows from
     pos - window_rows on."""
-    from turbospark_mlx.quant import dequantize_ref
-    from turbospark_mlx.quant.reference import fp16_attention_ref
-
     config, a, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     end = pos + q.shape[2]
     with mx.stream(mx.cpu):

@@ -234,7 +234,6 @@ def test_uncommitted_write_takes_ring_slots_from_trim():
     assert mx.array_equal(attention_any(cache, 0, qq, 89), attention_any(shorter, 0, qq, 89)).item()
 
 
-
 def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch):
     """The CUDA decode step's own path (attention.ProtectedStep) keeps the cache as store_kv
     does: with its two kernels replaced by their references on the CPU (the commit quantizes

@@ -25,7 +25,7 @@ from turbospark_mlx.gpu.decode import tq_decode_attention
 from turbospark_mlx.gpu.dequantize import tq_dequantize
 from turbospark_mlx.gpu.quantize import tq_quantize
 from turbospark_mlx.quant.packing import unpack_indices
-from turbospark_mlx.quant.reference import dequantize_ref, fp16_attention_ref, quantize_ref, tq_attention_ref
+from turbospark_mlx.quant.reference import quantize_ref, tq_attention_ref
 from turbospark_mlx.quant.tables import LayerQuant, side_quant
 
 pytestmark = pytest.mark.gpu

@@ -235,8 +235,9 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         else:
             mask = attention_mask(mx.arange(e), mx.arange(position + a, e), kv_start)
             k, v = keys[:, :, :e], values[:, :, :e]
-        sdpa = mx.fast.scaled_dot_product_attention
-        return sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, force_fused=fused)
+        return mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks, force_fused=fused
+        )
 
     try:  # a fused kernel (cuDNN's on CUDA) holds no scores: the whole chunk in one call
         out = rows(0, M, queries, fused=True)
