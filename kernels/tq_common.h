@@ -3,6 +3,14 @@
 // 1/2/4/8 bits in one plane; 3 bits = a 2-bit plane then a 1-bit plane; word w of a
 // plane of width b holds coordinates [w*32/b, (w+1)*32/b), lowest bits first.
 
+// Code slots a query row reads when a protected layer commits its rows CB at a time: of the
+// n it would read with rows committed one by one, the whole blocks, CB * floor(n / CB)
+// (TurboQuantConfig.committed_end; n <= 0: none).
+template <int CB>
+TS_FUNC int ts_committed(int n) {
+  return (CB == 1 || n <= 0) ? n : n / CB * CB;
+}
+
 // N consecutive words from src into out; src is aligned to VEC words (1, 2 or 4),
 // so the loads are as wide as the alignment allows.
 template <int N, int VEC, typename P>

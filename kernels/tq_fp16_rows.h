@@ -4,7 +4,8 @@
 // tq_dense_partial.kernel and tq_commit_dense.kernel (CUDA only: shared arrays are declared
 // inside the function, which Metal does not allow).
 // Row t (position qpos + r % M) sees sink p < min(S, t + 1) and ring positions
-// max(S, t - W + 1) .. t (position p in ring slot p % RCAP), from kv_start on.
+// S + ts_committed<CB>(max(0, t + 1 - W - S)) .. t (position p in ring slot p % RCAP: the rows not yet
+// committed, CB at a time), from kv_start on.
 // One threadgroup of NT threads per (row r, b * Hkv + h).
 // q (B, Hq, M, D); k_sinks, v_sinks (B, Hkv, sink_slots >= 1, D) (only the first S read);
 // k_recent, v_recent (B, Hkv, slots, D); k_mean (B, Hkv, D) float32 (HAS_MEAN); v_rot (D,)
@@ -14,8 +15,8 @@
 // centred codes lack; 0 without HAS_MEAN). A row that sees no FP16 row: m = -inf.
 #pragma once
 
-template <int D, int G, int M, int R, int S, int W, int RCAP, int KMAX, int NT, int SCALE_BITS, bool HAS_MEAN,
-          int VROT, typename PQ, typename PK, typename PV, typename PM, typename PR, typename PO>
+template <int D, int G, int M, int R, int S, int W, int CB, int RCAP, int KMAX, int NT, int SCALE_BITS,
+          bool HAS_MEAN, int VROT, typename PQ, typename PK, typename PV, typename PM, typename PR, typename PO>
 TS_FUNC void ts_fp16_rows_partial(PQ q, PK k_sinks, PV v_sinks, PK k_recent, PV v_recent, PM k_mean, PR v_rot,
                                   int sink_slots, int hkv, size_t slots, int qpos, int start, int r, int bh,
                                   uint tid, uint lane, PO part) {
@@ -52,7 +53,7 @@ TS_FUNC void ts_fp16_rows_partial(PQ q, PK k_sinks, PV v_sinks, PK k_recent, PV 
 
   // The row's FP16 keys: i < ns are sink rows, the rest ring positions from p0.
   const int ns = (S < t + 1) ? S : t + 1;
-  const int p0 = (S > t - W + 1) ? S : t - W + 1;
+  const int p0 = S + ts_committed<CB>((t + 1 - W - S > 0) ? t + 1 - W - S : 0);
   const int n = ns + ((t >= p0) ? t - p0 + 1 : 0);
   float lmax = TS_NEG_INF;
   for (int i = tid; i < n; i += NT) {

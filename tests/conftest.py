@@ -61,8 +61,8 @@ def assert_same_state(a: dict, b: dict):
 def prefill_reference(cache: KVCacheManager, layer: int, q: mx.array, pos: int, sinks=None) -> mx.array:
     """What the prefill path (`attention._prefill_attention`) computes for the M query rows at
     [pos, pos + M), in float32 on the CPU: dense attention, causal, over the history decoded by
-    `dequantize_ref` and, on a protected layer, the sink rows and the ring's rows from
-    pos - window_rows on."""
+    `dequantize_ref` and, on a protected layer, the sink rows and the ring's rows from the
+    committed end before the chunk on."""
     config, a, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     end = pos + q.shape[2]
     with mx.stream(mx.cpu):
@@ -73,8 +73,7 @@ def prefill_reference(cache: KVCacheManager, layer: int, q: mx.array, pos: int, 
                 rows[s] = dequantize_ref(codes, norms, quant.side(s))
                 continue
             mean = a.get("k_mean") if s == "k" and config.center_keys else None
-            S, W = config.sink_rows, config.window_rows
-            lo = max(S, pos - W)
+            S, lo = config.sink_rows, cache.quantized_end(layer, pos)
             parts = [a[f"{s}_sinks"][:, :, : min(S, end)].astype(mx.float32)]
             if lo > S:
                 codes, norms = a[f"{s}_codes"][:, :, : lo - S], a[f"{s}_norms"][:, :, : lo - S]

@@ -15,17 +15,17 @@ from turbospark_mlx.quant.reference import fp16_attention_ref
 def oracle(k, v, q, keep, S, full=None, sinks=None):
     """Each query row t over the positions p < S and (t - keep, t] only. With `full` (an
     unbounded cache holding the same rows), positions the protected layer reads from codes
-    ((t - window, ...) beyond its sink rows) are those codes decoded."""
+    (below committed_end(t + 1), beyond its sink rows) are those codes decoded."""
     L = k.shape[2]
     if full is not None:
-        W, a, quant = full.config.window_rows, full.layer_arrays(0), full.layer_quant(0)
+        c, a, quant = full.config, full.layer_arrays(0), full.layer_quant(0)
         n = full.quantized_end(0) - S
         kq = dequantize_ref(a["k_codes"][:, :, :n], a["k_norms"][:, :, :n], quant.k) + a["k_mean"][:, :, None, :]
         vq = dequantize_ref(a["v_codes"][:, :, :n], a["v_norms"][:, :, :n], quant.v)
     rows = []
     for t in range(L):
         seen = [p for p in range(t + 1) if p < S or p > t - keep]
-        fp16 = [full is None or p < S or p > t - W for p in seen]
+        fp16 = [full is None or p < S or p >= c.committed_end(t + 1) for p in seen]
         kt = mx.stack([k[:, :, p].astype(mx.float32) if f else kq[:, :, p - S] for p, f in zip(seen, fp16)], 2)
         vt = mx.stack([v[:, :, p].astype(mx.float32) if f else vq[:, :, p - S] for p, f in zip(seen, fp16)], 2)
         rows.append(fp16_attention_ref(q[:, :, t : t + 1], kt, vt, scale=D**-0.5, sinks=sinks))
@@ -48,13 +48,14 @@ def test_fp16_ring_keeps_sinks_and_newest(chunks):
     assert "fp16 ring w=20" in cache.summary()
 
 
-@pytest.mark.parametrize("base", ["tq4", "k8v4"])
+# commit 30: a row may hold up to 45 FP16 rows beyond its sink rows, more than the 40 it keeps.
+@pytest.mark.parametrize("base,commit", [("tq4", 1), ("k8v4", 1), ("tq4", 4), ("tq4", 30)])
 @pytest.mark.parametrize("chunks", [[1] * 150, [40, 64, 5, 41]], ids=["steps", "chunks"])
-def test_protected_codes_ring_keeps_sinks_and_newest(base, chunks):
+def test_protected_codes_ring_keeps_sinks_and_newest(base, commit, chunks):
     L, N, S = 150, 44, 4
     k, v, q = data(L, bias=3.0)
     sinks = mx.random.normal((HKV * G,))
-    config = protected(window=16, sinks=S, base=base)
+    config = protected(window=16, sinks=S, base=base, commit=commit)
     got, cache = run(config, k, v, q, chunks, sinks=sinks, max_kv_size=N)
     _, full = run(config, k, v, q, [64, 64, 22])  # the same codes for every position
     assert close(got, oracle(k, v, q, N - S, S, full=full, sinks=sinks))

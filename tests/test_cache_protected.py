@@ -13,8 +13,10 @@ from turbospark_mlx.quant.reference import fp16_attention_ref
 B, HKV, G, D = 2, 2, 3, 64
 
 
-def protected(window=16, sinks=4, center=True, base="tq4") -> TurboQuantConfig:
-    return get_preset(base).with_(name="p", window_rows=window, sink_rows=sinks, center_keys=center)
+def protected(window=16, sinks=4, center=True, base="tq4", commit=1) -> TurboQuantConfig:
+    return get_preset(base).with_(
+        name="p", window_rows=window, sink_rows=sinks, center_keys=center, commit_rows=commit
+    )
 
 
 def data(L, bias=0.0, seed=0):
@@ -39,9 +41,10 @@ def run(config, k, v, q, chunks, sinks=None, kv_start=0, max_rows=64, max_kv_siz
 
 
 def oracle(cache, k, v, q, sinks=None):
-    """Each query row t over dense keys: FP16 for the sink rows and (t - W, t], the stored codes
-    decoded (plus the key mean) for the rest."""
-    c, S, W = cache.config, cache.config.sink_rows, cache.config.window_rows
+    """Each query row t over dense keys: FP16 for the sink rows and [committed_end(t + 1), t]
+    (the window, and the rows of an unfinished commit block), the stored codes decoded (plus
+    the key mean) for the rest."""
+    c, S = cache.config, cache.config.sink_rows
     L = k.shape[2]
     a, quant = cache.layer_arrays(0), cache.layer_quant(0)
     q_end = cache.quantized_end(0)
@@ -52,7 +55,7 @@ def oracle(cache, k, v, q, sinks=None):
         kq = kq + a["k_mean"][:, :, None, :]
     rows = []
     for t in range(L):
-        use_fp16 = [p < S or p > t - W for p in range(t + 1)]
+        use_fp16 = [p < S or p >= c.committed_end(t + 1) for p in range(t + 1)]
         kt = mx.stack([k[:, :, p].astype(mx.float32) if f else kq[:, :, p - S] for p, f in enumerate(use_fp16)], 2)
         vt = mx.stack([v[:, :, p].astype(mx.float32) if f else vq[:, :, p - S] for p, f in enumerate(use_fp16)], 2)
         rows.append(fp16_attention_ref(q[:, :, t : t + 1], kt, vt, scale=D**-0.5, sinks=sinks))
@@ -60,7 +63,8 @@ def oracle(cache, k, v, q, sinks=None):
 
 
 @pytest.mark.parametrize("config", [protected(), protected(center=False), protected(window=0, center=False),
-                                    protected(sinks=0), protected(base="k8v4")])
+                                    protected(sinks=0), protected(base="k8v4"), protected(commit=8),
+                                    protected(window=0, center=False, commit=5)])
 def test_chunked_prefill_equals_token_steps(config):
     L = 150
     k, v, q = data(L, bias=3.0)
@@ -73,11 +77,12 @@ def test_chunked_prefill_equals_token_steps(config):
     assert mx.allclose(steps, chunked, atol=1e-5, rtol=1e-5).item(), mx.abs(steps - chunked).max().item()
 
 
-def test_matches_oracle_with_sinks_and_centring():
+@pytest.mark.parametrize("commit", [1, 4])
+def test_matches_oracle_with_sinks_and_centring(commit):
     L = 90
     k, v, q = data(L, bias=3.0)
     sinks = mx.random.normal((HKV * G,))
-    got, cache = run(protected(window=8, sinks=3), k, v, q, [30, 1, 59], sinks=sinks)
+    got, cache = run(protected(window=8, sinks=3, commit=commit), k, v, q, [30, 1, 59], sinks=sinks)
     want = oracle(cache, k, v, q, sinks=sinks)
     assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item(), mx.abs(got - want).max().item()
 
@@ -113,10 +118,11 @@ def test_left_padding_start():
     assert mx.array_equal(steps, chunked).item()
 
 
-def test_save_load_trim_and_bytes(tmp_path):
+@pytest.mark.parametrize("commit", [1, 8])
+def test_save_load_trim_and_bytes(tmp_path, commit):
     L = 120
     k, v, q = data(L, bias=2.0)
-    config = protected()
+    config = protected(commit=commit)
     _, cache = run(config, k, v, q, [64, 56])
     loaded = KVCacheManager.from_file(cache.save(str(tmp_path / "c")))
     qq = mx.random.normal((B, HKV * G, 1, D))
@@ -132,7 +138,8 @@ def test_save_load_trim_and_bytes(tmp_path):
     unprotected = KVCacheManager([LayerSpec(HKV, D)], plain("tq4"), batch_size=B, max_rows=64)
     store_kv(unprotected, 0, 0, k[:, :, :64], v[:, :, :64])
     store_kv(unprotected, 0, 64, k[:, :, 64:], v[:, :, 64:])
-    fixed = 2 * B * HKV * (16 + 64 + 4) * D * 2 + B * HKV * D * 4  # full ring, sink rows, key mean
+    ring = 16 + commit - 1 + 64  # window, an unfinished commit block, max_rows
+    fixed = 2 * B * HKV * (ring + 4) * D * 2 + B * HKV * D * 4  # full ring, sink rows, key mean
     assert cache.nbytes == unprotected.nbytes + fixed
 
 
@@ -234,7 +241,8 @@ def test_uncommitted_write_takes_ring_slots_from_trim():
     assert mx.array_equal(attention_any(cache, 0, qq, 89), attention_any(shorter, 0, qq, 89)).item()
 
 
-def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch):
+@pytest.mark.parametrize("commit", [1, 4])
+def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     """The CUDA decode step's own path (attention.ProtectedStep) keeps the cache as store_kv
     does: with its two kernels replaced by their references on the CPU (the commit quantizes
     the rows leaving the window with quantize_ref; the attention is not computed), the FP16
@@ -251,6 +259,9 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch):
         def __init__(self, quant, queries, arrays, **kw):
             self.quant, self.R = quant, kw["ring_capacity"]
 
+        def partial(self, queries, a, position, kv_start):  # tq_dense_partial: no commit
+            return mx.zeros((1,))
+
         def __call__(self, queries, a, position, kv_start, first, n):
             k = ring_rows(a["k_recent"], first, first + n, self.R).astype(mx.float32)
             if "k_mean" in a:
@@ -264,7 +275,7 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch):
         def __call__(self, queries, *codes, extra=None):
             return mx.zeros_like(queries)
 
-    config = protected(window=8, sinks=2)
+    config = protected(window=8, sinks=2, commit=commit)
     fast = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=8, step=16)
     k, v, q = data(120, bias=2.0)
     for p in range(0, 24, 8):  # past sink + window rows: codes and a key mean exist

@@ -331,8 +331,11 @@ def test_gpt_oss_sink_of_wrong_shape_is_refused():
 def test_generation_2k_past_window_tq4_bounded_memory(family):
     _, model = pair(family, LONG_CONFIGS[family])
     window, steps, max_rows = 16, 16 + 2048, 8
-    cache = make_cache(model, "tq4", max_rows=max_rows, step=256)
     prompt = _tokens(8)
+    # The same run on a throwaway cache first: on the CPU the first run in a process peaks ~2 MiB
+    # higher on the gemma families (one-time allocations), which is not a step's working set.
+    greedy(model, prompt, steps, make_cache(model, "tq4", max_rows=max_rows, step=256))
+    cache = make_cache(model, "tq4", max_rows=max_rows, step=256)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()

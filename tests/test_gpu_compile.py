@@ -308,7 +308,8 @@ def _mma_unit(i: int, kb: int, vb: int, d: int, g: int, m: int) -> str:
     q = _quant(kb, vb, d)
     has_extra = i % 3 == 1
     plan = _mma_plan_of(
-        kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt, has_extra=has_extra
+        kb, vb, d, g, m, has_starts=i % 4 == 3, has_sink=i % 2 == 0, out_dtype=qdt, has_extra=has_extra,
+        commit_rows=64 if has_extra else 1,  # a protected layer's commit blocks
     )
     ins = [
         ArgInfo(qdt, 4, 8 * g * m * d),
@@ -411,9 +412,10 @@ def test_cuda_dense_partial_compiles_with_nvcc(tmp_path):
             ArgInfo(mx.uint8, 1, 1),
             ArgInfo(i32, 1, 8),
         ]
-        template = [("D", d), ("G", g), ("M", m), ("R", g * m), ("S", s), ("W", w), ("RCAP", w + 64),
-                    ("KMAX", s + w), ("NT", 128), ("SCALE_BITS", 1040187392), ("HAS_MEAN", i == 0),
-                    ("HAS_STARTS", i == 1), ("VROT", kind)]
+        cb = 64 if i == 0 else 1
+        template = [("D", d), ("G", g), ("M", m), ("R", g * m), ("S", s), ("W", w), ("CB", cb),
+                    ("RCAP", w + cb - 1 + 64), ("KMAX", s + w + cb - 1), ("NT", 128), ("SCALE_BITS", 1040187392),
+                    ("HAS_MEAN", i == 0), ("HAS_STARTS", i == 1), ("VROT", kind)]
         path = tmp_path / f"dense_{i}.cu"
         path.write_text('#include "mlx_device.cuh"\n' + cuda_source("tq_dense_partial", ins, [f32], template))
         cmd = [nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"dense_{i}.cubin")]
@@ -449,7 +451,9 @@ def test_cuda_commit_dense_compiles_with_nvcc(tmp_path):
             ArgInfo(u8, 1, 4870),
             ArgInfo(u8, 1, 2),
         ]
-        template = [("D", d), ("G", g), ("M", 1), ("R", g), ("S", s), ("W", w), ("RCAP", cap), ("KMAX", s + w),
+        cb = 64 if i == 0 else 1
+        template = [("D", d), ("G", g), ("M", 1), ("R", g), ("S", s), ("W", w), ("CB", cb), ("RCAP", cap),
+                    ("KMAX", s + w + cb - 1),
                     ("NT", 128), ("SCALE_BITS", 1040187392), ("HAS_MEAN", i == 0), ("HAS_STARTS", i == 1),
                     ("VROT", vkind), ("KB", kb), ("KW", q.k.words), ("KROT", kkind), ("VB", vb), ("VW", q.v.words)]
         path = tmp_path / f"commit_dense_{i}.cu"

@@ -269,21 +269,24 @@ def test_cache_paths_use_kernels_and_match_reference():
         assert same > 0.999
 
 
+@pytest.mark.parametrize("commit", [1, 8])
 @pytest.mark.parametrize("max_kv_size", [None, 48])
 @pytest.mark.parametrize("d,kv", [(128, "tq4"), (64, "k8v4"), (128, "tq3")])
-def test_protected_layers_match_reference(d, kv, max_kv_size):
+def test_protected_layers_match_reference(d, kv, max_kv_size, commit):
     """FP16 window + sink rows + key centring: the dialect kernels' partials over the codes
     merged with the FP16 rows' partial equal the reference over the same cache, for rows
     before, across and past the first quantized row, per-sequence starts and sink logits;
-    two runs are identical. Bounded (max_kv_size): the codes ring wraps."""
-    config = get_preset(kv).with_(name="p", window_rows=16, sink_rows=4, center_keys=True)
+    two runs are identical. Bounded (max_kv_size): the codes ring wraps. Commit blocks of 8:
+    the 3-row chunk's last row reads one more block of codes than its first two (the
+    kernels' per-row floor)."""
+    config = get_preset(kv).with_(name="p", window_rows=16, sink_rows=4, center_keys=True, commit_rows=commit)
 
     def run():
         mx.random.seed(5)
         cache = KVCacheManager([LayerSpec(2, d)], config, batch_size=2, max_rows=40, max_kv_size=max_kv_size)
         starts = mx.array([0, 3])
         outs, refs, pos = [], [], 0
-        for m in (12, 1, 1, 9, 1, 40, 1, 33, 1):
+        for m in (12, 1, 1, 9, 1, 40, 1, 3, 33, 1):
             k = (mx.random.normal((2, 2, m, d)) + 4 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
             v = mx.random.normal((2, 2, m, d)).astype(mx.float16)
             with use_backend(BACKEND):
@@ -310,28 +313,32 @@ def test_protected_layers_match_reference(d, kv, max_kv_size):
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the tensor-core decode kernel is CUDA-only")
+@pytest.mark.parametrize("commit", [1, 64])
 @pytest.mark.parametrize("kv,batch,d", [("tq4", 1, 128), ("k8v4", 2, 64), ("tq3", 1, 128)])
-def test_protected_decode_step_is_two_launches(kv, batch, d):
-    """A decode step of a protected layer on CUDA (`store_and_attend`, ProtectedStep): the fused
-    commit + FP16-row partial and the tensor-core kernel, nothing else. Output and every cache
-    array equal the general path's (store_kv + attention_any: tq_commit, tq_dense_partial) bit
-    for bit, a second run of the same step is identical, and it matches the reference."""
+def test_protected_decode_step_is_two_launches(kv, batch, d, commit):
+    """A decode step of a protected layer on CUDA (`store_and_attend`, ProtectedStep): the
+    FP16-row partial (fused with the commit on a step that completes a commit block) and the
+    tensor-core kernel, nothing else. Output and every cache array equal the general path's
+    (store_kv + attention_any: tq_commit, tq_dense_partial) bit for bit, a second run of the
+    same step is identical, and it matches the reference. With blocks of 64 the four steps
+    from position 256 end with a commit (positions 196-259 leave the FP16 rows)."""
     import copy
 
     from turbospark_mlx.attention import store_and_attend
 
     mx.random.seed(9)
-    config = get_preset(kv)
+    config = get_preset(kv).with_(commit_rows=commit)
     fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
-    for m in (64, 64, 64):
+    for m in (64, 64, 64, 64):
         k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
         v = mx.random.normal((batch, 2, m, d)).astype(mx.float16)
         with use_backend(BACKEND):
             store_kv(fast, 0, pos, k, v)
         pos += m
     general = copy.deepcopy(fast)
+    seen = set()
     for _ in range(4):
         q = mx.random.normal((batch, 8, 1, d)).astype(mx.float16)
         k = (mx.random.normal((batch, 2, 1, d)) + 3).astype(mx.float16)
@@ -340,7 +347,10 @@ def test_protected_decode_step_is_two_launches(kv, batch, d):
         build.LAUNCHES.clear()
         with use_backend(BACKEND):
             out = store_and_attend(fast, 0, q, k, v, pos, sinks=mx.ones((8,)), kv_start=starts)
-            assert dict(build.LAUNCHES) == {"tq_commit_dense": 1, "tq_decode_mma": 1}
+            commits = config.committed_end(pos + 1) > config.committed_end(pos)
+            first = "tq_commit_dense" if commits else "tq_dense_partial"
+            assert dict(build.LAUNCHES) == {first: 1, "tq_decode_mma": 1}, (pos, dict(build.LAUNCHES))
+            seen.add(first)
             again = store_and_attend(twin, 0, q, k, v, pos, sinks=mx.ones((8,)), kv_start=starts)
             store_kv(general, 0, pos, k, v)
             want = attention_any(general, 0, q, pos, sinks=mx.ones((8,)), kv_start=starts)
@@ -352,6 +362,7 @@ def test_protected_decode_step_is_two_launches(kv, batch, d):
             assert mx.array_equal(a, general.layer_arrays(0)[name]).item(), name
         assert _rel(out, ref) < 5e-3, _rel(out, ref)
         pos += 1
+    assert seen == ({"tq_commit_dense"} if commit == 1 else {"tq_commit_dense", "tq_dense_partial"})
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
@@ -375,7 +386,7 @@ def test_dequantize_kernel_matches_ref(d, bits):
 @pytest.mark.parametrize("kv,d", [("tq4", 128), ("k8v4", 64), ("tq3", 128), ("plain-tq4", 128)])
 def test_prefill_path_matches_its_oracle(kv, d, path, monkeypatch):
     """Chunks of >= PREFILL_MIN_ROWS rows on a GPU read the history decoded by tq_dequantize
-    (and a protected layer's ring from position - window_rows on) under MLX's fused attention,
+    (and a protected layer's ring from its committed end on) under MLX's fused attention,
     the whole chunk in one call ("fused"), or, where MLX has no fused kernel (made to refuse
     here), in query blocks of 20 to 40 rows ("blocks"): equal, up to bf16 rounding, to dense
     attention over the same rows built on the CPU."""

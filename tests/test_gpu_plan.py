@@ -74,8 +74,8 @@ def test_automatic_choice_on_cuda(monkeypatch):
 
     real_lookup = decode_mma.mma_launch
 
-    def lookup(*a):
-        launch = real_lookup(*a)
+    def lookup(*a, **kw):
+        launch = real_lookup(*a, **kw)
         lookups.append(launch)
         launch._kernel = record
         return launch

@@ -202,8 +202,9 @@ def attention_any(
 def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, backend) -> mx.array:
     """M query rows of a compressed layer over its history decoded to rows of the queries'
     dtype (one dequantize launch per side) under `mx.fast.scaled_dot_product_attention`,
-    causal inside the chunk. A protected layer's positions from position - window_rows on
-    come from its FP16 ring: each row reads at least the FP16 rows a one-token step reads."""
+    causal inside the chunk. A protected layer's positions from its committed end before the
+    chunk on come from its FP16 ring: each row reads at least the FP16 rows a one-token step
+    reads."""
     mx.eval(queries)  # the previous layer's call is done: its decoded history is freed
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     M, dt = queries.shape[2], queries.dtype
@@ -215,8 +216,8 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
         if not config.is_protected:
             sides[s] = tq_dequantize(arrays[f"{s}_codes"], arrays[f"{s}_norms"], quant.side(s), end, dt, None, backend)
             continue
-        S, W = config.sink_rows, config.window_rows
-        lo = min(max(S, position - W), end)  # positions [lo, end) from the ring
+        S = config.sink_rows
+        lo = min(cache.quantized_end(layer, position), end)  # positions [lo, end) from the ring
         parts = [arrays[f"{s}_sinks"][:, :, : min(S, end)].astype(dt)]
         if lo > S:
             codes, norms = arrays[f"{s}_codes"], arrays[f"{s}_norms"]
@@ -259,15 +260,17 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
 
 def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start, backend) -> mx.array:
     """A protected TurboQuant layer: each query row t reads its sink rows and the positions
-    (t - window, t] in FP16 and older positions from the codes, in one softmax (on a bounded
-    layer only those after t - keep)."""
+    from committed_end(t + 1) (the window and the rows of an unfinished commit block) in FP16
+    and older positions from the codes, in one softmax (on a bounded layer only those after
+    t - keep)."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W, keep = config.sink_rows, config.window_rows, cache.layer_keep(layer)
     B, Hq, M, D = queries.shape
     if backend == "reference" and M == 1 and isinstance(kv_start, int):
         return _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start)
     end = position + M
-    if backend == "cuda" and position >= S + W and keep is None:  # every row reads codes: the decode step's path
+    # Every row reads codes: the decode step's path.
+    if backend == "cuda" and keep is None and cache.quantized_end(layer, position + 1) > S:
         out = _protected_mma(cache, layer, queries, position, scale, sinks, kv_start)
         if out is not None:
             return out
@@ -277,12 +280,15 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     n_sinks = min(S, end)
     sp = mx.arange(n_sinks)[None, :]
     rp = cache.recent_positions(layer, end)[None, :]  # -1 where unwritten
-    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp > t - W)  # the ring's copies of sink rows are not read
+    fp16_from = config.committed_end(t + 1)  # (M, 1): the first ring position each row reads
+    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp >= fp16_from)  # the ring's copies of sink rows are not read
+    if keep is not None:  # a commit block may leave more FP16 rows than the layer keeps
+        ring_mask &= rp > t - keep
     positions = mx.concatenate([sp, rp], axis=1)
     dense_mask = mx.concatenate([sp <= t, ring_mask], axis=1)[None, None] & (positions[None, None] >= start)
     keys = mx.concatenate([arrays["k_sinks"][:, :, :n_sinks], arrays["k_recent"]], axis=2)
     values = mx.concatenate([arrays["v_sinks"][:, :, :n_sinks], arrays["v_recent"]], axis=2)
-    # Codes: positions [S, q_end) in slots [0, q_end - S); row t reads those <= t - W.
+    # Codes: positions [S, q_end) in slots [0, q_end - S); row t reads those below fp16_from.
     q_end = cache.quantized_end(layer, end)
     key_mean = arrays["k_mean"] if config.center_keys and q_end > S else None
     if "k_codes" in arrays:
@@ -297,7 +303,7 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
             kp, codes = mx.arange(S, q_end)[None, :], [c[:, :, : q_end - S] for c in codes]
         else:
             kp = cache.code_positions(layer, end)[None, :]
-        code_mask = (((kp >= 0) & (kp <= t - W) & (kp > t - (keep or end)))[None, None]) & (kp[None, None] >= start)
+        code_mask = (((kp >= 0) & (kp < fp16_from) & (kp > t - (keep or end)))[None, None]) & (kp[None, None] >= start)
         return tq_attention_ref(
             queries, *codes, quant, scale=scale, mask=code_mask,
             sinks=sinks, dense=(keys, values, dense_mask), key_mean=key_mean,
@@ -306,8 +312,9 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     if keep is not None:  # one row: its codes after t - keep, in order (at most two slices)
         lo = max(S, position - keep + 1)
         codes = [ring_rows(c, lo - S, max(lo, q_end) - S, cache.ring_capacity(layer)) for c in codes]
-    # Rows before lo + W read no codes (the kernel's first position would be negative).
-    r0 = min(M, max(0, lo + W - position))
+    # Leading rows whose codes end at or before lo read none (the kernel's first position would
+    # be negative): committed_end grows with the row, so they come first.
+    r0 = sum(1 for p in range(position, end) if config.committed_end(p + 1) <= lo)
     out = []
     if r0:
         out.append(tq_attention_ref(
@@ -315,29 +322,33 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
             sinks=sinks, dense=(keys, values, dense_mask[:, :, :r0]),
         ))
     if r0 < M:
-        # Slot i holds position i + lo, and row t reads codes up to t - W: shift by W + lo.
         shifted = mx.maximum(kv_start - lo, 0) if isinstance(kv_start, mx.array) else max(kv_start - lo, 0)
+        if keep is None:  # slot i holds position S + i: the kernel floors row t's t + 1 - W - S to blocks
+            first, blocks = position + r0 - W - S, config.commit_rows
+        else:  # one row (more go the reference way); slot i holds position lo + i
+            first, blocks = config.committed_end(position + 1) - 1 - lo, 1
         out.append(tq_decode_attention(
-            queries[:, :, r0:], *codes, quant, scale=scale, position=position + r0 - W - lo,
+            queries[:, :, r0:], *codes, quant, scale=scale, position=first,
             kv_start=shifted, sinks=sinks, backend=backend,
-            dense=(keys, values, dense_mask[:, :, r0:]), key_mean=key_mean,
+            dense=(keys, values, dense_mask[:, :, r0:]), key_mean=key_mean, commit_rows=blocks,
         ))
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=2)
 
 
 def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start: int) -> mx.array:
     """One query row of a protected layer on the reference backend (a decode step): only the
-    rows it reads go in, so no position mask is built. Its sink rows and the window
-    (t - window, t] are sliced from their arrays; before any row has codes this is MLX's
+    rows it reads go in, so no position mask is built. Its sink rows and the FP16 rows from
+    committed_end(t + 1) are sliced from their arrays; before any row has codes this is MLX's
     fused attention over them, after it the codes join in one softmax (one compiled graph)."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
-    S, W, R = config.sink_rows, config.window_rows, cache.recent_capacity(layer)
+    S, R = config.sink_rows, cache.recent_capacity(layer)
     keep = cache.layer_keep(layer)
     t = position
-    lo = max(kv_start, S, t - W + 1)  # the window's first position read
+    lo = max(kv_start, config.committed_end(t + 1), 0 if keep is None else t - keep + 1)  # first ring position read
     dense = []
     for side in ("k", "v"):
-        if t < min(R, S + W):  # the ring still holds [0, t] in slots [0, t]: one slice, no copy
+        # No codes, nothing dropped (bounded), and the ring holds [0, t] in slots [0, t]: one slice
+        if t < R and config.committed_end(t + 1) == S and (keep is None or t < S + keep):
             dense.append(arrays[f"{side}_recent"][:, :, kv_start : t + 1])
             continue
         rows = [arrays[f"{side}_sinks"][:, :, kv_start : min(S, t + 1)]] if kv_start < S else []
@@ -372,16 +383,19 @@ def _protected_mma(cache, layer, queries, position, scale, sinks, kv_start) -> m
     then the tensor-core kernel over the codes, which merges it. None if the tensor-core
     kernel cannot take these rows in one launch."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
-    S, W = config.sink_rows, config.window_rows
+    S, W, B = config.sink_rows, config.window_rows, config.commit_rows
     starts = isinstance(kv_start, mx.array)
-    mma = mma_launch(quant, queries, arrays["k_recent"].shape[1], scale, starts, sinks is not None, has_extra=True)
+    mma = mma_launch(
+        quant, queries, arrays["k_recent"].shape[1], scale, starts, sinks is not None, has_extra=True, commit_rows=B
+    )
     if mma.reason is not None or mma.per < queries.shape[2]:
         return None
     extra = tq_dense_partial(
         queries, arrays, quant.v, scale=scale, position=position, kv_start=kv_start,
-        sink_rows=S, window_rows=W, ring_capacity=cache.recent_capacity(layer),
+        sink_rows=S, window_rows=W, ring_capacity=cache.recent_capacity(layer), commit_rows=B,
     )
-    # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
+    # Code slot i holds position i + S, and row t reads the slots below committed_end(t + 1) - S,
+    # which the kernel takes as t + 1 - W - S floored to whole commit blocks.
     shifted = mx.maximum(kv_start - S, 0) if starts else max(kv_start - S, 0)
     codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
     return mma(queries, *codes, position - W - S, shifted, sinks, extra=extra)
@@ -407,42 +421,48 @@ def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: 
 class ProtectedStep:
     """The decode step of a protected TurboQuant layer on CUDA for one call shape, as
     `store_kv` + `attention_any` compute it, in two launches: the new rows go into the FP16
-    ring (two slice updates), `tq_commit_dense` commits the rows leaving the window and
-    computes the FP16 rows' partial, the codes go into their slots, and the tensor-core kernel
-    reads the codes and merges the partial. Kernel objects, constant inputs and launch shapes
-    are built once (a decode step calls this for every layer; host time bounds the step,
-    docs/decode_kernels.md). `usable` says whether the kernels take the shape."""
+    ring (two slice updates); `tq_dense_partial` computes the FP16 rows' partial, or, on the
+    step that completes a commit block, `tq_commit_dense` computes it and commits the block and
+    the codes go into their slots (four slice updates); the tensor-core kernel reads the codes
+    and merges the partial. Kernel objects, constant inputs and launch shapes are built once (a
+    decode step calls this for every layer; host time bounds the step, docs/decode_kernels.md).
+    `usable` says whether the kernels take the shape."""
 
     def __init__(
         self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool
     ) -> None:
         config, quant = cache.config, l.quant
-        self.S, self.W, self.R = config.sink_rows, config.window_rows, l.recent_capacity
+        self.config, self.S, self.R = config, config.sink_rows, l.recent_capacity
         self.dtype, self.rows = cache.dtype, queries.shape[2]
         Hkv = l.spec.n_kv_heads
-        self.mma: MmaLaunch = mma_launch(quant, queries, Hkv, scale, starts, has_sink, has_extra=True)
+        self.mma: MmaLaunch = mma_launch(
+            quant, queries, Hkv, scale, starts, has_sink, has_extra=True, commit_rows=config.commit_rows
+        )
         self.usable = self.mma.reason is None and self.mma.per >= self.rows
         if self.usable:
             self.prep = CommitDense(
-                quant, queries, l.arrays, scale=scale, starts=starts,
-                sink_rows=self.S, window_rows=self.W, ring_capacity=self.R,
+                quant, queries, l.arrays, scale=scale, starts=starts, sink_rows=self.S,
+                window_rows=config.window_rows, ring_capacity=self.R, commit_rows=config.commit_rows,
             )  # fmt: skip
 
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
-        l, M, S, W = cache._layers[layer], self.rows, self.S, self.W
+        l, M, S = cache._layers[layer], self.rows, self.S
         a = l.arrays
         s = position % self.R
         for name, rows in (("k_recent", keys), ("v_recent", values)):
             a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        first = position - W  # positions [first, first + M) leave the window: slots first - S
-        cache._reserve(l, first + M - S)
-        *codes, extra = self.prep(queries, a, position, kv_start, first, M)
-        for name, r in zip(_CODES, codes):
-            a[name][:, :, first - S : first - S + M] = r
+        first, end = self.config.committed_end(position), self.config.committed_end(position + M)
+        if end > first:  # positions [first, end) leave the FP16 rows: code slots first - S on
+            cache._reserve(l, end - S)
+            *codes, extra = self.prep(queries, a, position, kv_start, first, end - first)
+            for name, r in zip(_CODES, codes):
+                a[name][:, :, first - S : end - S] = r
+        else:
+            extra = self.prep.partial(queries, a, position, kv_start)
         l.offset = position + M
-        # Code slot i holds position i + S, and row t reads codes up to t - W: shift by W + S.
+        # Code slot i holds position i + S: row t reads the slots below committed_end(t + 1) - S.
         shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
-        return self.mma(queries, *(a[n] for n in _CODES), position - W - S, shifted, sinks, extra=extra)
+        return self.mma(queries, *(a[n] for n in _CODES), end - 1 - S, shifted, sinks, extra=extra)
 
 
 _CODES = ("k_codes", "k_norms", "v_codes", "v_norms")
@@ -467,7 +487,7 @@ def _protected_step(
     a = l.arrays
     if (
         position != l.offset
-        or position < config.sink_rows + config.window_rows + 1  # the key mean is set, every row reads codes
+        or config.committed_end(position) <= config.sink_rows  # the key mean is set, every row reads codes
         or a["k_recent"].shape[2] != R
         or M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
         or not isinstance(kv_start, (int, mx.array))
@@ -487,7 +507,7 @@ def _protected_step(
     starts = isinstance(kv_start, mx.array)
     cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})
     key = ("step", l.quant.v, queries.shape, queries.dtype, cache.dtype, scale, starts, sinks is not None,
-           config.sink_rows, config.window_rows, R, "k_mean" in a)  # fmt: skip
+           config.sink_rows, config.window_rows, config.commit_rows, R, "k_mean" in a)  # fmt: skip
     step = cached.get(key)
     if step is None:
         step = cached[key] = ProtectedStep(cache, l, queries, scale, starts, sinks is not None)

@@ -206,11 +206,12 @@ class KVCacheManager:
             if quant is not None and keep <= self.config.window_rows:  # the FP16 window holds it all
                 quant, protected = None, False
         if protected:
-            W = self.config.window_rows
+            W, B = self.config.window_rows, self.config.commit_rows
             # Bounded: codes for the positions a query reads beyond the window, plus
             # max_rows - 1, so an M-row chunk's first row still finds its oldest code.
             ring = None if keep is None else keep - W + self.max_rows - 1
-            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=W + self.max_rows)
+            # The ring: the W + B - 1 uncommitted rows a query may read at most, and an M-row write.
+            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=W + B - 1 + self.max_rows)
         # A ring keeps max_rows - 1 positions beyond its window, so an
         # M-row write never overwrites a key that a row of the same chunk needs.
         ring = None if keep is None else keep + self.max_rows - 1
@@ -346,7 +347,7 @@ class KVCacheManager:
                     )
             # A write not yet committed took ring slots of the oldest rows beyond the window.
             written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
-            if l.recent_capacity and n > l.recent_capacity - self.config.window_rows - written:
+            if l.recent_capacity and n > self.max_rows - written:
                 raise ValueError(
                     f"cannot trim {n} positions: layer {i} keeps only {self.max_rows - written} FP16 rows "
                     "beyond its window to quantize again"
@@ -501,13 +502,14 @@ class KVCacheManager:
 
     def quantized_end(self, layer: int, end: int | None = None) -> int:
         """Positions below this are read from codes once `end` positions are committed (on a
-        protected layer: all but the sink rows and the newest window_rows; position p's
-        codes sit in slot p - sink_rows)."""
+        protected layer: all but the sink rows and the newest window_rows to window_rows +
+        commit_rows - 1, `TurboQuantConfig.committed_end`; position p's codes sit in slot
+        p - sink_rows)."""
         l = self._layer(layer)
         end = l.offset if end is None else end
         if not l.recent_capacity:
             return end
-        return max(self.config.sink_rows, end - self.config.window_rows)
+        return self.config.committed_end(end)
 
     def recent_capacity(self, layer: int) -> int:
         """Slots of a protected layer's FP16 ring (position p sits in slot p % capacity); 0
@@ -638,7 +640,8 @@ class KVCacheManager:
             raise ValueError(
                 f"layer {layer}: {cap} code slots given, the bounded layer's ring holds {l.ring_capacity}"
             )
-        held = cap + self.config.window_rows + self.config.sink_rows if l.recent_capacity else cap
+        c = self.config
+        held = cap + c.window_rows + c.commit_rows - 1 + c.sink_rows if l.recent_capacity else cap
         if bounded and cap == l.ring_capacity:  # a full ring: any later position maps onto it
             held = None
         if not isinstance(offset, int) or offset < 0 or (held is not None and offset > held):

@@ -74,11 +74,12 @@ def write(cache, l, side: str, position: int, rows: mx.array) -> None:
 
 def commit(cache, l, position: int, m: int) -> None:
     """Commit M rows written at `position` on protected layer `l` (already in the ring): the
-    rows that leave the window by this commit are quantized from the ring into their code
-    slots (slot p - sink_rows)."""
+    rows that leave the window by this commit, whole blocks of commit_rows
+    (`TurboQuantConfig.committed_end`), are quantized from the ring into their code slots
+    (slot p - sink_rows)."""
     S, W, R = cache.config.sink_rows, cache.config.window_rows, l.recent_capacity
     end = position + m
-    q0, q1 = max(S, position - W), max(S, end - W)
+    q0, q1 = cache.config.committed_end(position), cache.config.committed_end(end)
     if q1 <= q0:
         return
     cache._reserve(l, q1 - S)  # codes only for the rows that left the window

@@ -54,9 +54,12 @@ def decode_plan(
     has_starts: bool = False,
     tilings=None,
     skip_v: bool = False,
+    commit_rows: int = 1,
 ) -> dict | None:
     """Template values and launch shape for one decode call (rows = M query rows per head),
-    or None when that many rows do not fit threadgroup memory.
+    or None when that many rows do not fit threadgroup memory. commit_rows: row r reads the
+    code slots below the whole blocks of commit_rows in position + r + 1 (a protected layer's
+    `TurboQuantConfig.committed_end`).
 
     Picks the threads per group NT and keys per thread TT: as many keys per group
     as threadgroup memory allows while still giving ~TARGET_GROUPS groups.
@@ -100,6 +103,7 @@ def decode_plan(
             ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
             ("HAS_STARTS", has_starts),
             ("SKIP_V", skip_v),
+            ("CB", commit_rows),
         ],
         NT=NT,
         tiles=tiles,
@@ -147,6 +151,7 @@ def tq_decode_attention(
     variant: str = "auto",
     dense: tuple[mx.array, mx.array, mx.array] | None = None,
     key_mean: mx.array | None = None,
+    commit_rows: int = 1,
     _tilings=None,
     _skip_v: bool = False,
     _tiles_per_warp: int | None = None,
@@ -171,6 +176,9 @@ def tq_decode_attention(
             `quant.reference.tq_attention_ref`: their partial joins the dialect kernel's
             tiles before the reduce (the tensor-core kernel merges inside and takes none).
         key_mean: (B, Hkv, D) key mean of centred codes: q·mean joins their scores.
+        commit_rows: a protected layer's commit block (`TurboQuantConfig.commit_rows`): row r
+            reads the code slots below commit_rows * floor((position + r + 1) / commit_rows)
+            instead of those up to position + r.
         _tilings, _skip_v: benchmark knobs of the dialect kernels (tiling order; leave the
             V stage out); _tiles_per_warp: the tensor-core kernel's keys per warp / 16.
     Returns:
@@ -186,7 +194,10 @@ def tq_decode_attention(
     if backend == "cuda" and (variant == "mma" or (variant == "auto" and position + M >= MMA_AUTO_MIN_CONTEXT)):
         # Every layer's decode step comes here: one cached launch per call shape keeps the
         # Python on the way short (host build, not the GPU, bounds a call at 128k).
-        mma = mma_launch(quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None)
+        mma = mma_launch(
+            quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None,
+            commit_rows=commit_rows,
+        )
         if mma.reason is None and (variant == "mma" or mma.auto):
             return mma(queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, _tiles_per_warp)
         if variant == "mma":
@@ -216,6 +227,7 @@ def tq_decode_attention(
                     variant="dialect",
                     dense=None if dense is None else (dense[0], dense[1], dense[2][:, :, m0 : m0 + per]),
                     key_mean=key_mean,
+                    commit_rows=commit_rows,
                 )
             )
         return mx.concatenate(parts, axis=2)
@@ -233,6 +245,7 @@ def tq_decode_attention(
         has_starts=has_starts,
         tilings=_tilings,
         skip_v=_skip_v,
+        commit_rows=commit_rows,
     )
     tiles, NT, R, RP = plan["tiles"], plan["NT"], plan["R"], plan["RP"]
     part_o, part_ms = launch(

@@ -154,6 +154,7 @@ def _mma_config(
     has_sink: bool,
     out_dtype: mx.Dtype,
     has_extra: bool = False,
+    commit_rows: int = 1,
 ) -> MmaConfig:
     """The MmaConfig of a call shape, cached beside the K tables: a decode step only adds
     the split count (the kernel derives keys per warp from it)."""
@@ -170,11 +171,12 @@ def _mma_config(
         has_sink,
         out_dtype,
         has_extra,
+        commit_rows,
     )
     cfg = cache.get(key)
     if cfg is None:
         cfg = cache[key] = _mma_config_uncached(
-            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra
+            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows
         )
     return cfg
 
@@ -199,7 +201,9 @@ def _mma_tables(quant: LayerQuant) -> tuple[mx.array, dict[str, int]]:
     return merged, {"VTAB_AT": at[1], "KROT_AT": at[2], "VROT_AT": at[3]}
 
 
-def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra=False):
+def _mma_config_uncached(
+    quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra=False, commit_rows=1
+):
     tables, offsets = _mma_tables(quant)
     R = group * rows
     RP = 8 if R <= 8 else 16
@@ -265,6 +269,7 @@ def _mma_config_uncached(quant, group, rows, head_dim, scale, has_starts, has_si
         *offsets.items(),
         ("TICKET_WORDS", MMA_TICKET_WORDS),
         ("OT", out_dtype),
+        ("CB", commit_rows),
     )
     return MmaConfig(template, smem, R, RP, nwarp, per_sm, [tables], [])
 
@@ -297,9 +302,10 @@ def mma_plan(
     out_dtype: mx.Dtype,
     tiles_per_warp: int | None = None,
     has_extra: bool = False,
+    commit_rows: int = 1,
 ) -> dict:
     """Template values, launch shape and shared memory of one tq_decode_mma call."""
-    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra)
+    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows)
     tiles = -(-end // 16)
     splits = _mma_splits(cfg, tiles, n_seq_heads, tiles_per_warp)
     return dict(
@@ -326,6 +332,7 @@ def tq_decode_mma(
     position: int,
     kv_start: int | mx.array = 0,
     sinks: mx.array | None = None,
+    commit_rows: int = 1,
     _tiles_per_warp: int | None = None,
 ) -> mx.array:
     """`tq_decode_attention` on CUDA tensor cores, in one launch (see tq_decode_mma.kernel).
@@ -337,7 +344,10 @@ def tq_decode_mma(
     This runs once per layer and decode step, so everything but the split count is cached
     per call shape (MmaLaunch).
     """
-    launch = mma_launch(quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None)
+    launch = mma_launch(
+        quant, queries, k_codes.shape[1], scale, isinstance(kv_start, mx.array), sinks is not None,
+        commit_rows=commit_rows,
+    )
     if launch.reason is not None:
         raise _backend.KernelUnsupported(f"tensor-core decode cannot serve this: {launch.reason}")
     return launch(queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, _tiles_per_warp)
@@ -349,7 +359,10 @@ class MmaLaunch:
     call is what bounds decode, and a decode step repeats one shape per layer. `reason`: why
     the kernel cannot serve the shape (then the rest is unset), or None."""
 
-    def __init__(self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra=False):
+    def __init__(
+        self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra=False,
+        commit_rows: int = 1,
+    ):
         B, Hq, M, D = queries.shape
         G = Hq // Hkv
         self.reason = tq_mma_unsupported(quant, G, M, D)
@@ -359,7 +372,7 @@ class MmaLaunch:
         self.auto = D in MMA_AUTO_HEAD_DIMS
         if self.reason is not None:
             return
-        self.quant, self.scale = quant, scale
+        self.quant, self.scale, self.commit_rows = quant, scale, commit_rows
         self.per = max(1, MMA_MAX_ROWS // G)  # query rows one launch takes
         self.batch = B
         self.n_seq_heads = B * Hkv
@@ -367,7 +380,7 @@ class MmaLaunch:
         self._kernel = None
         if self.per < M:  # launches of `per` rows each (split_rows), each its own shape
             return
-        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra)
+        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra, commit_rows)
         self.tables = self.cfg.tables[0]
         self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
         self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
@@ -394,6 +407,7 @@ class MmaLaunch:
                 position=position,
                 kv_start=kv_start,
                 sinks=sinks,
+                commit_rows=self.commit_rows,
                 _tiles_per_warp=tiles_per_warp,
             )
         tiles = (position + self.rows + 15) // 16
@@ -447,12 +461,13 @@ class MmaLaunch:
 
 
 def mma_launch(
-    quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra: bool = False
+    quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra: bool = False,
+    commit_rows: int = 1,
 ) -> MmaLaunch:
     """The MmaLaunch of a call shape, cached beside the K tables (dropped with the layer)."""
     cache = TABLES.get(quant.k) or TABLES.setdefault(quant.k, {})
-    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra)
+    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra, commit_rows)
     launch = cache.get(key)
     if launch is None:
-        launch = cache[key] = MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink, has_extra)
+        launch = cache[key] = MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink, has_extra, commit_rows)
     return launch

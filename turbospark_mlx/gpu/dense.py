@@ -19,7 +19,7 @@ THREADS = 128
 
 def _dense_template(
     queries: mx.array, Hkv: int, v_side: SideQuant, scale: float, has_mean: bool, starts: bool,
-    sink_rows: int, window_rows: int, ring_capacity: int,
+    sink_rows: int, window_rows: int, ring_capacity: int, commit_rows: int,
 ) -> list[tuple]:  # fmt: skip
     B, Hq, M, D = queries.shape
     G = Hq // Hkv
@@ -30,8 +30,9 @@ def _dense_template(
         ("R", G * M),
         ("S", sink_rows),
         ("W", window_rows),
+        ("CB", commit_rows),
         ("RCAP", ring_capacity),
-        ("KMAX", max(1, sink_rows + window_rows)),
+        ("KMAX", max(1, sink_rows + window_rows + commit_rows - 1)),
         ("NT", THREADS),
         ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
         ("HAS_MEAN", has_mean),
@@ -66,6 +67,7 @@ def tq_dense_partial(
     sink_rows: int,
     window_rows: int,
     ring_capacity: int,
+    commit_rows: int = 1,
 ) -> mx.array:
     """(B * Hkv, R, D + 3) float32: per query row (R = G * M per KV head) the FP16 rows'
     o' = Π_V Σ exp(s - m) v, m, l and scale · q·k_mean (see kernels/tq_fp16_rows.h).
@@ -77,7 +79,7 @@ def tq_dense_partial(
     G = Hq // Hkv
     starts = isinstance(kv_start, mx.array)
     template = _dense_template(
-        queries, Hkv, v_side, scale, "k_mean" in arrays, starts, sink_rows, window_rows, ring_capacity
+        queries, Hkv, v_side, scale, "k_mean" in arrays, starts, sink_rows, window_rows, ring_capacity, commit_rows
     )
     (part,) = launch(
         "tq_dense_partial",
@@ -93,19 +95,24 @@ def tq_dense_partial(
 
 
 class CommitDense:
-    """`tq_commit_dense` for one call shape of a protected layer (quant, query shape and dtype,
-    ring, scale, starts, window): the kernel object and the constant inputs are built once,
-    since a decode step calls it for every layer. Call it with the layer's arrays, the first
-    query position, kv_start, and the first of the n rows to commit (position - window_rows)."""
+    """`tq_commit_dense` and `tq_dense_partial` for one call shape of a protected layer (quant,
+    query shape and dtype, ring, scale, starts, window, commit block): the kernel objects and
+    the constant inputs are built once, since a decode step calls one of them for every layer.
+    Call it with the layer's arrays, the first query position, kv_start, and the first of the
+    n rows to commit; `partial` is the step that commits nothing."""
 
     def __init__(self, quant: LayerQuant, queries: mx.array, arrays: dict[str, mx.array], *, scale: float,
-                 starts: bool, sink_rows: int, window_rows: int, ring_capacity: int):  # fmt: skip
+                 starts: bool, sink_rows: int, window_rows: int, ring_capacity: int,
+                 commit_rows: int = 1):  # fmt: skip
         B, Hq, M, D = queries.shape
         ring = arrays["k_recent"]
         Hkv = ring.shape[1]
         has_mean = "k_mean" in arrays
         template = _dense_template(queries, Hkv, quant.v, scale, has_mean, starts, sink_rows, window_rows,
-                                   ring_capacity)  # fmt: skip
+                                   ring_capacity, commit_rows)  # fmt: skip
+        self.dense_kernel = cuda_kernel("tq_dense_partial", tuple(template))
+        self.dense_grid = (THREADS * (Hq // Hkv) * M, B * Hkv, 1)
+        self.dense_shape = [(B * Hkv, (Hq // Hkv) * M, D + 3)]
         template += [("KB", quant.k.bits), ("KW", quant.k.words), ("KROT", rotation_arg(quant.k)[0]),
                      ("VB", quant.v.bits), ("VW", quant.v.words)]  # fmt: skip
         self.kernel = cuda_kernel("tq_commit_dense", tuple(template))
@@ -128,6 +135,17 @@ class CommitDense:
                 [mx.uint32, mx.float32, mx.uint32, mx.float32, mx.float32],
             )
         return shape
+
+    def partial(self, queries, arrays, position: int, kv_start) -> mx.array:
+        """The FP16 rows' partial alone (tq_dense_partial)."""
+        LAUNCHES["tq_dense_partial"] += 1
+        return self.dense_kernel(
+            inputs=_dense_inputs(queries, arrays, self.quant.v, position, kv_start, self.sink_rows),
+            grid=self.dense_grid,
+            threadgroup=self.threadgroup,
+            output_shapes=self.dense_shape,
+            output_dtypes=[mx.float32],
+        )[0]
 
     def __call__(self, queries, arrays, position: int, kv_start, first: int, n: int) -> list[mx.array]:
         """[k_codes, k_norms, v_codes, v_norms] of positions [first, first + n), and the partial."""

@@ -17,6 +17,8 @@ import json
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 
+import mlx.core as mx
+
 from .packing import packed_words
 from .rotation import ROTATION_KINDS
 
@@ -48,6 +50,10 @@ class TurboQuantConfig:
         center_keys: subtract each KV head's per-channel key mean (over the W
             positions after the sink rows) before quantizing keys; attention adds
             q·mean back to the scores of quantized keys. Needs window_rows >= 1.
+        commit_rows: a compressed layer with FP16 rows quantizes them B at a time, once
+            window_rows + B are past its last commit, so a row reads between W and
+            W + B - 1 FP16 positions besides its sink rows (`committed_end`), and only
+            one decode step in B writes codes (1: a row leaves the window at each step).
     """
 
     name: str
@@ -62,6 +68,7 @@ class TurboQuantConfig:
     window_rows: int = 0
     sink_rows: int = 0
     center_keys: bool = False
+    commit_rows: int = 1
 
     def __post_init__(self):
         is_fp16 = (self.k_bits, self.v_bits) == (FP16_BITS, FP16_BITS)
@@ -84,6 +91,13 @@ class TurboQuantConfig:
                 f"preset {self.name!r}: center_keys estimates the mean over the FP16 window: "
                 "it needs window_rows >= 1"
             )
+        if not isinstance(self.commit_rows, int) or self.commit_rows < 1:
+            raise ValueError(f"preset {self.name!r}: commit_rows must be an int >= 1, got {self.commit_rows!r}")
+        if self.commit_rows > 1 and not self.is_protected:
+            raise ValueError(
+                f"preset {self.name!r}: commit_rows={self.commit_rows} needs FP16 rows to commit from "
+                "(window_rows, sink_rows or center_keys); without them every row is quantized on write"
+            )
         object.__setattr__(self, "fp16_layers", tuple(self.fp16_layers))
         if self.quantize_layers is not None:
             object.__setattr__(self, "quantize_layers", tuple(self.quantize_layers))
@@ -97,6 +111,16 @@ class TurboQuantConfig:
     def is_protected(self) -> bool:
         """True when compressed layers keep FP16 rows (window, sinks) or centre their keys."""
         return not self.is_fp16 and bool(self.window_rows or self.sink_rows or self.center_keys)
+
+    def committed_end(self, n):
+        """On a protected layer holding `n` positions (an int, or an mx.array of them), the end
+        of the positions with codes, [sink_rows, committed_end(n)): sink_rows + the multiple of
+        commit_rows at most n - sink_rows - window_rows. Query row t reads its positions from
+        committed_end(t + 1) on in FP16."""
+        S, W, B = self.sink_rows, self.window_rows, self.commit_rows
+        over = n - W - S
+        over = max(over, 0) if isinstance(over, int) else mx.maximum(over, 0)
+        return S + over // B * B
 
     def side_bytes_per_token(self, bits: int, head_dim: int) -> int:
         if bits == FP16_BITS:
@@ -135,7 +159,7 @@ class TurboQuantConfig:
         """The same bits as plain TurboQuant: every row quantized on write, keys not centred."""
         if self.is_fp16:
             return self
-        return self.with_(name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False)
+        return self.with_(name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False, commit_rows=1)
 
     def to_json(self) -> str:
         """The preset as JSON (the form cache files and the mlx-lm adapter store)."""
@@ -166,7 +190,9 @@ class TurboQuantConfig:
 # and keys centred per KV head. Without them tq4 costs +8% perplexity on SmolLM2-135M and
 # breaks biased-key models; with them it is within a fraction of a percent
 # (benchmarks/results/quality.md). Turn a part off with `.with_(window_rows=0)`, all of it with `.plain()`.
-PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True)
+# Rows are committed 64 at a time, so 63 decode steps in 64 write no codes: fewer graph nodes
+# per step (benchmarks/results/generate_e2e.md), and each row reads 128 to 191 FP16 positions.
+PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True, commit_rows=64)
 
 PRESETS: dict[str, TurboQuantConfig] = {
     c.name: c
