@@ -16,7 +16,8 @@
 #pragma once
 
 template <int D, int G, int M, int R, int S, int W, int CB, int RCAP, int KMAX, int NT, int SCALE_BITS,
-          bool HAS_MEAN, int VROT, typename PQ, typename PK, typename PV, typename PM, typename PR, typename PO>
+          bool HAS_MEAN, int VROT, typename PQ, typename PK, typename PV, typename PM, typename PR,
+          typename PO>
 TS_FUNC void ts_fp16_rows_partial(PQ q, PK k_sinks, PV v_sinks, PK k_recent, PV v_recent, PM k_mean, PR v_rot,
                                   int sink_slots, int hkv, size_t slots, int qpos, int start, int r, int bh,
                                   uint tid, uint lane, PO part) {

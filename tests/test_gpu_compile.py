@@ -414,8 +414,8 @@ def test_cuda_dense_partial_compiles_with_nvcc(tmp_path):
         ]
         cb = 64 if i == 0 else 1
         template = [("D", d), ("G", g), ("M", m), ("R", g * m), ("S", s), ("W", w), ("CB", cb),
-                    ("RCAP", w + cb - 1 + 64), ("KMAX", s + w + cb - 1), ("NT", 128), ("SCALE_BITS", 1040187392),
-                    ("HAS_MEAN", i == 0), ("HAS_STARTS", i == 1), ("VROT", kind)]
+                    ("RCAP", w + cb - 1 + 64), ("KMAX", s + w + cb - 1), ("NT", 128),
+                    ("SCALE_BITS", 1040187392), ("HAS_MEAN", i == 0), ("HAS_STARTS", i == 1), ("VROT", kind)]
         path = tmp_path / f"dense_{i}.cu"
         path.write_text('#include "mlx_device.cuh"\n' + cuda_source("tq_dense_partial", ins, [f32], template))
         cmd = [nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"dense_{i}.cubin")]

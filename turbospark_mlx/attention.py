@@ -281,7 +281,8 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
     sp = mx.arange(n_sinks)[None, :]
     rp = cache.recent_positions(layer, end)[None, :]  # -1 where unwritten
     fp16_from = config.committed_end(t + 1)  # (M, 1): the first ring position each row reads
-    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp >= fp16_from)  # the ring's copies of sink rows are not read
+    # The ring's copies of sink rows are not read.
+    ring_mask = (rp >= S) & (rp >= 0) & (rp <= t) & (rp >= fp16_from)
     if keep is not None:  # a commit block may leave more FP16 rows than the layer keeps
         ring_mask &= rp > t - keep
     positions = mx.concatenate([sp, rp], axis=1)
@@ -303,7 +304,8 @@ def _protected_attention(cache, layer, queries, position, scale, sinks, kv_start
             kp, codes = mx.arange(S, q_end)[None, :], [c[:, :, : q_end - S] for c in codes]
         else:
             kp = cache.code_positions(layer, end)[None, :]
-        code_mask = (((kp >= 0) & (kp < fp16_from) & (kp > t - (keep or end)))[None, None]) & (kp[None, None] >= start)
+        code_mask = ((kp >= 0) & (kp < fp16_from) & (kp > t - (keep or end)))[None, None]
+        code_mask &= kp[None, None] >= start
         return tq_attention_ref(
             queries, *codes, quant, scale=scale, mask=code_mask,
             sinks=sinks, dense=(keys, values, dense_mask), key_mean=key_mean,
@@ -344,7 +346,8 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
     S, R = config.sink_rows, cache.recent_capacity(layer)
     keep = cache.layer_keep(layer)
     t = position
-    lo = max(kv_start, config.committed_end(t + 1), 0 if keep is None else t - keep + 1)  # first ring position read
+    # The first ring position read.
+    lo = max(kv_start, config.committed_end(t + 1), 0 if keep is None else t - keep + 1)
     dense = []
     for side in ("k", "v"):
         # No codes, nothing dropped (bounded), and the ring holds [0, t] in slots [0, t]: one slice
@@ -385,9 +388,8 @@ def _protected_mma(cache, layer, queries, position, scale, sinks, kv_start) -> m
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     S, W, B = config.sink_rows, config.window_rows, config.commit_rows
     starts = isinstance(kv_start, mx.array)
-    mma = mma_launch(
-        quant, queries, arrays["k_recent"].shape[1], scale, starts, sinks is not None, has_extra=True, commit_rows=B
-    )
+    Hkv = arrays["k_recent"].shape[1]
+    mma = mma_launch(quant, queries, Hkv, scale, starts, sinks is not None, has_extra=True, commit_rows=B)
     if mma.reason is not None or mma.per < queries.shape[2]:
         return None
     extra = tq_dense_partial(

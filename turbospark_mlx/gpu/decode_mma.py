@@ -305,7 +305,9 @@ def mma_plan(
     commit_rows: int = 1,
 ) -> dict:
     """Template values, launch shape and shared memory of one tq_decode_mma call."""
-    cfg = _mma_config(quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows)
+    cfg = _mma_config(
+        quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows
+    )
     tiles = -(-end // 16)
     splits = _mma_splits(cfg, tiles, n_seq_heads, tiles_per_warp)
     return dict(
@@ -380,7 +382,9 @@ class MmaLaunch:
         self._kernel = None
         if self.per < M:  # launches of `per` rows each (split_rows), each its own shape
             return
-        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra, commit_rows)
+        self.cfg = _mma_config(
+            quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra, commit_rows
+        )
         self.tables = self.cfg.tables[0]
         self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
         self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
@@ -466,8 +470,11 @@ def mma_launch(
 ) -> MmaLaunch:
     """The MmaLaunch of a call shape, cached beside the K tables (dropped with the layer)."""
     cache = TABLES.get(quant.k) or TABLES.setdefault(quant.k, {})
-    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra, commit_rows)
+    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra,
+           commit_rows)  # fmt: skip
     launch = cache.get(key)
     if launch is None:
-        launch = cache[key] = MmaLaunch(quant, queries, Hkv, scale, has_starts, has_sink, has_extra, commit_rows)
+        launch = cache[key] = MmaLaunch(
+            quant, queries, Hkv, scale, has_starts, has_sink, has_extra, commit_rows
+        )
     return launch

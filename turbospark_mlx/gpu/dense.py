@@ -78,8 +78,9 @@ def tq_dense_partial(
     Hkv = arrays["k_recent"].shape[1]
     G = Hq // Hkv
     starts = isinstance(kv_start, mx.array)
+    has_mean = "k_mean" in arrays
     template = _dense_template(
-        queries, Hkv, v_side, scale, "k_mean" in arrays, starts, sink_rows, window_rows, ring_capacity, commit_rows
+        queries, Hkv, v_side, scale, has_mean, starts, sink_rows, window_rows, ring_capacity, commit_rows
     )
     (part,) = launch(
         "tq_dense_partial",

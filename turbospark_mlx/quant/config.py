@@ -92,7 +92,9 @@ class TurboQuantConfig:
                 "it needs window_rows >= 1"
             )
         if not isinstance(self.commit_rows, int) or self.commit_rows < 1:
-            raise ValueError(f"preset {self.name!r}: commit_rows must be an int >= 1, got {self.commit_rows!r}")
+            raise ValueError(
+                f"preset {self.name!r}: commit_rows must be an int >= 1, got {self.commit_rows!r}"
+            )
         if self.commit_rows > 1 and not self.is_protected:
             raise ValueError(
                 f"preset {self.name!r}: commit_rows={self.commit_rows} needs FP16 rows to commit from "
@@ -159,7 +161,9 @@ class TurboQuantConfig:
         """The same bits as plain TurboQuant: every row quantized on write, keys not centred."""
         if self.is_fp16:
             return self
-        return self.with_(name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False, commit_rows=1)
+        return self.with_(
+            name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False, commit_rows=1
+        )
 
     def to_json(self) -> str:
         """The preset as JSON (the form cache files and the mlx-lm adapter store)."""
