@@ -59,7 +59,8 @@ class _Layer:
     # First positions kept in FP16 apart from the ring (a protected layer, a bounded FP16 ring).
     sink_rows: int = 0
     # A protected TurboQuant layer (window / sink rows / centring): slots of its FP16 ring of
-    # recent rows (window_rows + max_rows, so an M-row chunk never overwrites a row it needs).
+    # recent rows (window_rows + commit_rows - 1 + max_rows, so an M-row chunk never overwrites
+    # a row it needs).
     recent_capacity: int = 0
     arrays: dict[str, mx.array] = field(default_factory=dict)
     capacity: int = 0

@@ -51,9 +51,10 @@ def check_fixed(layer: int, name: str, a: mx.array, want: tuple, dtype: mx.Dtype
 
 def write(cache, l, side: str, position: int, rows: mx.array) -> None:
     """M rows of one side straight into the FP16 ring (and the sink rows), which is the
-    layer's staging: the ring keeps max_rows slots beyond its window, so the slots an
-    M <= max_rows write takes hold rows that already have codes and that neither this
-    commit's quantize nor a trim of the committed positions reads."""
+    layer's staging: the ring keeps max_rows slots beyond the rows a query may read in FP16
+    (window_rows + commit_rows - 1), so the slots an M <= max_rows write takes hold rows
+    that already have codes and that neither this commit's quantize nor a trim of the
+    committed positions reads."""
     R, S = l.recent_capacity, cache.config.sink_rows
     m, end = rows.shape[2], position + rows.shape[2]
     name = f"{side}_recent"

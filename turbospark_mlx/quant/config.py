@@ -44,8 +44,8 @@ class TurboQuantConfig:
         quantize_layers: if set, exactly these layers are compressed (the
             first/last rules then do not apply). Sliding-window layers are
             always FP16 rings; naming one here is an error.
-        window_rows: a compressed layer keeps its newest W positions in FP16 and
-            quantizes a row when it leaves this window (0: every row on write).
+        window_rows: a compressed layer keeps at least its newest W positions in FP16 and
+            quantizes rows once they leave this window (0: every row on write).
         sink_rows: a compressed layer keeps its first S positions in FP16.
         center_keys: subtract each KV head's per-channel key mean (over the W
             positions after the sink rows) before quantizing keys; attention adds
@@ -190,8 +190,8 @@ class TurboQuantConfig:
         return replace(self, **changes)
 
 
-# What every compressed preset keeps exact: the newest 128 positions and the first 4 in FP16,
-# and keys centred per KV head. Without them tq4 costs +8% perplexity on SmolLM2-135M and
+# What every compressed preset keeps exact: at least the newest 128 positions and the first 4 in
+# FP16, and keys centred per KV head. Without them tq4 costs +8% perplexity on SmolLM2-135M and
 # breaks biased-key models; with them it is within a fraction of a percent
 # (benchmarks/results/quality.md). Turn a part off with `.with_(window_rows=0)`, all of it with `.plain()`.
 # Rows are committed 64 at a time, so 63 decode steps in 64 write no codes: fewer graph nodes
