@@ -106,7 +106,10 @@ def _variants() -> dict[str, list[tuple[list[ArgInfo], list, list]]]:
                 q = _quant(kb, vb, d)
                 for g, m in ((1, 1), (4, 1), (8, 1), (4, 3), (2, 5)):
                     for end in (100, 1 << 17):
-                        plan = decode_plan(q, g, m, d, 8, end, scale=d**-0.5, has_starts=end < 1000)
+                        cb = 64 if m > 1 and end > 1000 else 1  # a protected layer's commit blocks
+                        plan = decode_plan(
+                            q, g, m, d, 8, end, scale=d**-0.5, has_starts=end < 1000, commit_rows=cb
+                        )
                         if plan is None:
                             continue
                         key = tuple(v for _, v in plan["template"])
