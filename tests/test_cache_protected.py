@@ -244,7 +244,7 @@ def test_uncommitted_write_takes_ring_slots_from_trim():
 @pytest.mark.parametrize("commit", [1, 4])
 def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     """The CUDA decode step's own path (attention.ProtectedStep) keeps the cache as store_kv
-    does: with its two kernels replaced by their references on the CPU (the commit quantizes
+    does: with its kernels replaced by their references on the CPU (the commit quantizes
     the rows leaving the window with quantize_ref; the attention is not computed), the FP16
     ring, sink rows, key mean, codes, norms and offsets after every step equal the general
     path's, across growth of the codes storage (step 16) and wraps of the ring. The kernels
@@ -255,24 +255,17 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     from turbospark_mlx.cache.window import ring_rows
     from turbospark_mlx.quant.reference import quantize_ref
 
-    class Commit:  # tq_commit_dense: codes of positions [first, first + n) from the rings
-        def __init__(self, quant, queries, arrays, **kw):
-            self.quant, self.R = quant, kw["ring_capacity"]
-
-        def partial(self, queries, a, position, kv_start):  # tq_dense_partial: no commit
-            return mx.zeros((1,))
-
-        def __call__(self, queries, a, position, kv_start, first, n):
-            k = ring_rows(a["k_recent"], first, first + n, self.R).astype(mx.float32)
-            if "k_mean" in a:
-                k = k - a["k_mean"][:, :, None]
-            v = ring_rows(a["v_recent"], first, first + n, self.R)
-            return [*quantize_ref(k, self.quant.k), *quantize_ref(v, self.quant.v), mx.zeros((1,))]
+    def commit_ref(k_ring, v_ring, first, n, quant, ring_capacity, k_mean=None):  # tq_commit
+        k = ring_rows(k_ring, first, first + n, ring_capacity).astype(mx.float32)
+        if k_mean is not None:
+            k = k - k_mean[:, :, None]
+        v = ring_rows(v_ring, first, first + n, ring_capacity)
+        return [*quantize_ref(k, quant.k), *quantize_ref(v, quant.v)]
 
     class Mma:  # tq_decode_mma: takes every shape; returns zeros of the queries' shape
         reason, per = None, 16
 
-        def __call__(self, queries, *codes, extra=None):
+        def __call__(self, queries, *codes, dense_rows=None):
             return mx.zeros_like(queries)
 
     config = protected(window=8, sinks=2, commit=commit)
@@ -281,7 +274,7 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     for p in range(0, 24, 8):  # past sink + window rows: codes and a key mean exist
         store_kv(fast, 0, p, k[:, :, p : p + 8], v[:, :, p : p + 8])
     general = copy.deepcopy(fast)
-    monkeypatch.setattr(attention, "CommitDense", Commit)
+    monkeypatch.setattr(attention, "tq_commit", commit_ref)
     monkeypatch.setattr(attention, "mma_launch", lambda *a, **kw: Mma())
     monkeypatch.setattr(attention._backend, "current_backend", lambda: "cuda")
     steps = 0

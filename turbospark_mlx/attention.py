@@ -27,7 +27,8 @@ from .gpu import backend as _backend
 from .gpu.args import TABLES
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
 from .gpu.decode_mma import MmaLaunch, mma_launch
-from .gpu.dense import CommitDense, tq_dense_partial
+from .gpu.args import _ZEROS8
+from .gpu.quantize import tq_commit
 from .gpu.dequantize import tq_dequantize
 from .quant.compiled import protected_step_ref
 from .quant.reference import tq_attention_ref
@@ -47,6 +48,14 @@ PREFILL_MIN_ROWS = 64
 # of 64 or 256 rows a 128k prefill ran at 0.23x and 0.57x FP16's tokens/s on the H200
 # (benchmarks/results/generate_e2e.md), each block re-reading the history with a partly idle grid.
 PREFILL_SCORE_BYTES = 4 << 30
+# Prefill calls of compressed layers left running while the host builds the next layer: each
+# holds its layer's decoded history. Waiting for each layer's queries before building its call
+# left the GPU idle meanwhile: tq4 prefill at 4k was 0.90x FP16's tokens/s that way, 1.01x with
+# 2 in flight (H200, one run; benchmarks/results/generate_e2e.md has the shipped numbers).
+PREFILL_IN_FLIGHT = 2
+# Prefill calls started and not yet waited for, of every cache: the GPU runs one stream, and
+# mlx-lm's drop-in holds one cache per layer.
+_PREFILL_PENDING: list[mx.array] = []
 
 
 def attention_mask(
@@ -205,7 +214,11 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
     causal inside the chunk. A protected layer's positions from its committed end before the
     chunk on come from its FP16 ring: each row reads at least the FP16 rows a one-token step
     reads."""
-    mx.eval(queries)  # the previous layer's call is done: its decoded history is freed
+    # Wait for the call PREFILL_IN_FLIGHT calls back, so that at most that many layers' decoded
+    # histories are alive while the GPU keeps the later ones queued.
+    pending = _PREFILL_PENDING
+    while len(pending) >= PREFILL_IN_FLIGHT:
+        mx.eval(pending.pop(0))
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
     M, dt = queries.shape[2], queries.dtype
     end = position + M
@@ -251,10 +264,10 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
             q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
             outs.append(rows(a, b, q, fused=False))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    # Started here and waited for at the next layer's entry, so one layer's decoded history is
-    # alive at a time (evaluated with the whole chunk, every layer's would be) while the host
-    # builds the rest of this layer and the next one's projections.
+    # Started here and waited for PREFILL_IN_FLIGHT layers on (evaluated with the whole chunk,
+    # every layer's decoded history would be alive at once) while the host builds the next ones.
     mx.async_eval(out)
+    pending.append(out)
     return out
 
 
@@ -382,25 +395,38 @@ def _protected_step_ref(cache, layer, queries, position, scale, sinks, kv_start:
 
 
 def _protected_mma(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array | None:
-    """A protected layer on CUDA in two launches: the FP16 rows' partial (tq_dense_partial),
-    then the tensor-core kernel over the codes, which merges it. None if the tensor-core
-    kernel cannot take these rows in one launch."""
+    """A protected layer on CUDA in one launch of the tensor-core kernel, which reads the codes
+    and the FP16 rows (DENSE). None if it cannot take these rows in one launch."""
     config, arrays, quant = cache.config, cache.layer_arrays(layer), cache.layer_quant(layer)
-    S, W, B = config.sink_rows, config.window_rows, config.commit_rows
-    starts = isinstance(kv_start, mx.array)
     Hkv = arrays["k_recent"].shape[1]
-    mma = mma_launch(quant, queries, Hkv, scale, starts, sinks is not None, has_extra=True, commit_rows=B)
+    dense = _dense_config(config, cache.recent_capacity(layer), arrays)
+    mma = mma_launch(
+        quant, queries, Hkv, scale, isinstance(kv_start, mx.array), sinks is not None, dense=dense,
+        commit_rows=config.commit_rows,
+    )  # fmt: skip
     if mma.reason is not None or mma.per < queries.shape[2]:
         return None
-    extra = tq_dense_partial(
-        queries, arrays, quant.v, scale=scale, position=position, kv_start=kv_start,
-        sink_rows=S, window_rows=W, ring_capacity=cache.recent_capacity(layer), commit_rows=B,
-    )
     # Code slot i holds position i + S, and row t reads the slots below committed_end(t + 1) - S,
     # which the kernel takes as t + 1 - W - S floored to whole commit blocks.
-    shifted = mx.maximum(kv_start - S, 0) if starts else max(kv_start - S, 0)
-    codes = [arrays[n] for n in ("k_codes", "k_norms", "v_codes", "v_norms")]
-    return mma(queries, *codes, position - W - S, shifted, sinks, extra=extra)
+    first = position - config.window_rows - config.sink_rows
+    return mma(queries, *_codes(arrays), first, kv_start, sinks, dense_rows=_dense_rows(arrays, config.sink_rows))
+
+
+def _dense_config(config, ring_slots: int, arrays: dict) -> tuple:
+    """The tensor-core kernel's DENSE configuration of a protected layer (decode_mma._mma_config)."""
+    return (config.sink_rows, config.window_rows, ring_slots, "k_mean" in arrays)
+
+
+def _dense_rows(arrays: dict, sink_rows: int) -> list[mx.array]:
+    """The tensor-core kernel's DENSE inputs: sink rows (the ring's arrays where there are none,
+    never read), ring, key mean (a placeholder where there is none)."""
+    ring = arrays["k_recent"], arrays["v_recent"]
+    sinks = (arrays["k_sinks"], arrays["v_sinks"]) if sink_rows else ring
+    return [*sinks, *ring, arrays.get("k_mean", _ZEROS8)]
+
+
+def _codes(arrays: dict) -> list[mx.array]:
+    return [arrays[n] for n in _CODES]
 
 
 def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: mx.array | None) -> None:
@@ -422,30 +448,25 @@ def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: 
 
 class ProtectedStep:
     """The decode step of a protected TurboQuant layer on CUDA for one call shape, as
-    `store_kv` + `attention_any` compute it, in two launches: the new rows go into the FP16
-    ring (two slice updates); `tq_dense_partial` computes the FP16 rows' partial, or, on the
-    step that completes a commit block, `tq_commit_dense` computes it and commits the block and
-    the codes go into their slots (four slice updates); the tensor-core kernel reads the codes
-    and merges the partial. Kernel objects, constant inputs and launch shapes are built once (a
-    decode step calls this for every layer; host time bounds the step, docs/decode_kernels.md).
-    `usable` says whether the kernels take the shape."""
+    `store_kv` + `attention_any` compute it: the new rows go into the FP16 ring (two slice
+    updates), and on the step that completes a commit block `tq_commit` quantizes the block and
+    its codes go into their slots (four slice updates); then one tensor-core launch reads the
+    codes and the FP16 rows. Launch objects and shapes are built once (a decode step calls this
+    for every layer; host time bounds the step, docs/decode_kernels.md). `usable` says whether
+    the kernel takes the shape."""
 
     def __init__(
         self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool
     ) -> None:
-        config, quant = cache.config, l.quant
+        config = cache.config
         self.config, self.S, self.R = config, config.sink_rows, l.recent_capacity
+        self.first_offset = config.window_rows + config.sink_rows
         self.dtype, self.rows = cache.dtype, queries.shape[2]
-        Hkv = l.spec.n_kv_heads
         self.mma: MmaLaunch = mma_launch(
-            quant, queries, Hkv, scale, starts, has_sink, has_extra=True, commit_rows=config.commit_rows
-        )
+            l.quant, queries, l.spec.n_kv_heads, scale, starts, has_sink,
+            dense=_dense_config(config, self.R, l.arrays), commit_rows=config.commit_rows,
+        )  # fmt: skip
         self.usable = self.mma.reason is None and self.mma.per >= self.rows
-        if self.usable:
-            self.prep = CommitDense(
-                quant, queries, l.arrays, scale=scale, starts=starts, sink_rows=self.S,
-                window_rows=config.window_rows, ring_capacity=self.R, commit_rows=config.commit_rows,
-            )  # fmt: skip
 
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
         l, M, S = cache._layers[layer], self.rows, self.S
@@ -456,15 +477,13 @@ class ProtectedStep:
         first, end = self.config.committed_end(position), self.config.committed_end(position + M)
         if end > first:  # positions [first, end) leave the FP16 rows: code slots first - S on
             cache._reserve(l, end - S)
-            *codes, extra = self.prep(queries, a, position, kv_start, first, end - first)
+            codes = tq_commit(a["k_recent"], a["v_recent"], first, end - first, l.quant, self.R, a.get("k_mean"))
             for name, r in zip(_CODES, codes):
                 a[name][:, :, first - S : end - S] = r
-        else:
-            extra = self.prep.partial(queries, a, position, kv_start)
         l.offset = position + M
-        # Code slot i holds position i + S: row t reads the slots below committed_end(t + 1) - S.
-        shifted = mx.maximum(kv_start - S, 0) if isinstance(kv_start, mx.array) else max(kv_start - S, 0)
-        return self.mma(queries, *(a[n] for n in _CODES), end - 1 - S, shifted, sinks, extra=extra)
+        return self.mma(
+            queries, *_codes(a), position - self.first_offset, kv_start, sinks, dense_rows=_dense_rows(a, S)
+        )
 
 
 _CODES = ("k_codes", "k_norms", "v_codes", "v_norms")

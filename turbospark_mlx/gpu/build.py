@@ -97,39 +97,6 @@ SPECS: dict[str, KernelSpec] = {
             ("part_o", "part_ms"),
         ),
         KernelSpec("tq_decode_reduce", ("part_o", "part_ms", "sinks", "v_rot"), ("out",)),
-        # A protected layer's FP16 rows as one partial for the tensor-core kernel's merge.
-        KernelSpec(
-            "tq_dense_partial",
-            ("q", "k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean", "v_rot", "qpos", "kv0", "kv_starts"),
-            ("part",),
-            backends=("cuda",),
-            headers=("tq_fp16_rows.h",),
-        ),
-        # A protected layer's decode step before the tensor-core kernel: the FP16 rows' partial
-        # and the commit of the rows leaving the window, in one launch.
-        KernelSpec(
-            "tq_commit_dense",
-            (
-                "q",
-                "k_sinks",
-                "v_sinks",
-                "k_recent",
-                "v_recent",
-                "k_mean",
-                "v_rot",
-                "qpos",
-                "kv0",
-                "kv_starts",
-                "k_rot",
-                "k_bnd",
-                "v_bnd",
-                "first",
-                "count",
-            ),
-            ("k_codes", "k_norms", "v_codes", "v_norms", "part"),
-            backends=("cuda",),
-            headers=("tq_fp16_rows.h",),
-        ),
         # Tensor-core decode (mma.sync), one launch: NVIDIA only.
         KernelSpec(
             "tq_decode_mma",
@@ -141,7 +108,11 @@ SPECS: dict[str, KernelSpec] = {
                 "v_norms",
                 "tables",
                 "sinks",
-                "extra",
+                "k_sinks",
+                "v_sinks",
+                "k_recent",
+                "v_recent",
+                "k_mean",
                 "qpos",
                 "kv0",
                 "kv_starts",
@@ -150,7 +121,7 @@ SPECS: dict[str, KernelSpec] = {
             ),
             ("out",),
             backends=("cuda",),
-            headers=("tq_mma_cuda.h",),
+            headers=("tq_mma_cuda.h", "tq_fp16_rows.h"),
             warps_constant="NWARP",
         ),
     )

@@ -80,6 +80,13 @@ MMA_PRMT_LOOKUPS = True
 # tile in flight while one is worked on); 3 or 4 slots measured the same on the H200.
 MMA_RING_BYTES = 48 * 1024
 MMA_MAX_STAGES = 4
+# A protected layer's launch has R more blocks per (b, KV head) for its FP16 rows (DENSE). Where
+# they do not fit in the splits' wave, the splits make room for them if that adds at most this
+# many tiles per warp: at 4k keys on the H100 (llama shape, whole-model decode) 8 splits of 2
+# tiles per warp beside them made the step 1.10x FP16's against 1.19x with 16 splits of 1 tile
+# and the FP16 blocks in a second wave; at 128k making room would add a third to every warp's
+# loop (43 tiles instead of 32) to spare one FP16 block's few microseconds.
+MMA_DENSE_WAVE_TILES = 1
 
 _LOG2E = 1.4426950408889634
 
@@ -153,11 +160,13 @@ def _mma_config(
     has_starts: bool,
     has_sink: bool,
     out_dtype: mx.Dtype,
-    has_extra: bool = False,
+    dense: tuple | None = None,
     commit_rows: int = 1,
 ) -> MmaConfig:
     """The MmaConfig of a call shape, cached beside the K tables: a decode step only adds
-    the split count (the kernel derives keys per warp from it)."""
+    the split count (the kernel derives keys per warp from it). dense: a protected layer's
+    (sink rows, window rows, ring slots, key mean or not), whose FP16 rows the kernel reads
+    (DENSE), or None."""
     cache = TABLES.get(quant.k) or TABLES.setdefault(quant.k, {})
     key = (
         "mma",
@@ -170,13 +179,13 @@ def _mma_config(
         has_starts,
         has_sink,
         out_dtype,
-        has_extra,
+        dense,
         commit_rows,
     )
     cfg = cache.get(key)
     if cfg is None:
         cfg = cache[key] = _mma_config_uncached(
-            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows
+            quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, dense, commit_rows
         )
     return cfg
 
@@ -202,7 +211,7 @@ def _mma_tables(quant: LayerQuant) -> tuple[mx.array, dict[str, int]]:
 
 
 def _mma_config_uncached(
-    quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra=False, commit_rows=1
+    quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, dense=None, commit_rows=1
 ):
     tables, offsets = _mma_tables(quant)
     R = group * rows
@@ -233,7 +242,12 @@ def _mma_config_uncached(
         # (a 3-bit table is stored four times over under PL: 256 entries, see the kernel)
         pl_entries = max(256 if b == 3 else _lut_entries(b) for b in (quant.k.bits, quant.v.bits))
         tables_words = 16384 + 64 * pl_entries if pl else lut_words
-        smem = 4 * max(tables_words + D * RP + RP + 32 + ring_words, nwarp * (R * (D + 12) + 2 * RP))
+        # (A DENSE block's merge of its warps, tq_fp16_rows.h, takes nwarp * (D + 2) + D words.)
+        smem = 4 * max(
+            tables_words + D * RP + RP + 32 + ring_words,
+            nwarp * (R * (D + 12) + 2 * RP),
+            nwarp * (D + 2) + D if dense else 0,
+        )
         return nwarp, stages, smem
 
     pl = MMA_PRMT_LOOKUPS
@@ -263,28 +277,46 @@ def _mma_config_uncached(
         ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * _LOG2E))[0]),
         ("HAS_STARTS", has_starts),
         ("HAS_SINK", has_sink),
-        ("HAS_EXTRA", has_extra),
         ("VLUT_OFF", vlut_off),
         ("PL", pl),
         *offsets.items(),
         ("TICKET_WORDS", MMA_TICKET_WORDS),
         ("OT", out_dtype),
         ("CB", commit_rows),
+        ("DENSE", dense is not None),
+        ("SINK_ROWS", dense[0] if dense else 0),
+        ("WINDOW_ROWS", dense[1] if dense else 0),
+        ("RING_SLOTS", dense[2] if dense else 1),
+        ("HAS_MEAN", bool(dense and dense[3])),
     )
     return MmaConfig(template, smem, R, RP, nwarp, per_sm, [tables], [])
 
 
-def _mma_splits(cfg: MmaConfig, tiles: int, n_seq_heads: int, tiles_per_warp: int | None = None) -> int:
+def _mma_splits(
+    cfg: MmaConfig, tiles: int, n_seq_heads: int, tiles_per_warp: int | None = None, extra: int = 0
+) -> int:
     """Splits per (b, KV head): one wave of resident blocks (at most MMA_BLOCKS_PER_SM per SM)
     over all (b, KV head), at least MMA_MIN_TILES 16-key tiles per warp (the tables cost each
-    block a fill), at most MMA_MAX_SPLITS splits."""
+    block a fill), at most MMA_MAX_SPLITS splits. extra: the launch's other blocks per
+    (b, KV head) (DENSE), left room in the wave where that costs a warp at most
+    MMA_DENSE_WAVE_TILES more tiles."""
     if tiles_per_warp is None:
-        per_head = max(1, MMA_SMS * min(cfg.per_sm, MMA_BLOCKS_PER_SM) // n_seq_heads)
-        tiles_per_warp = max(
-            max(1, MMA_MIN_TILES * MMA_WARPS // cfg.nwarp),  # keys per block, not per warp
-            -(-tiles // (cfg.nwarp * per_head)),
-            -(-tiles // (cfg.nwarp * MMA_MAX_SPLITS)),
-        )
+        wave = MMA_SMS * min(cfg.per_sm, MMA_BLOCKS_PER_SM)
+
+        def per_warp(blocks: int) -> int:
+            """Tiles per warp with `blocks` blocks of one wave for the splits."""
+            return max(
+                max(1, MMA_MIN_TILES * MMA_WARPS // cfg.nwarp),  # keys per block, not per warp
+                -(-tiles // (cfg.nwarp * max(1, blocks // n_seq_heads))),
+                -(-tiles // (cfg.nwarp * MMA_MAX_SPLITS)),
+            )
+
+        tiles_per_warp = per_warp(wave)
+        splits = -(-tiles // (cfg.nwarp * tiles_per_warp))
+        if extra and n_seq_heads * (splits + extra) > wave:  # the other blocks spill out of the wave
+            roomy = per_warp(wave - n_seq_heads * extra)
+            if roomy <= tiles_per_warp + MMA_DENSE_WAVE_TILES:
+                tiles_per_warp = roomy
     return -(-tiles // (cfg.nwarp * tiles_per_warp))
 
 
@@ -301,12 +333,12 @@ def mma_plan(
     has_sink: bool,
     out_dtype: mx.Dtype,
     tiles_per_warp: int | None = None,
-    has_extra: bool = False,
+    dense: tuple | None = None,
     commit_rows: int = 1,
 ) -> dict:
     """Template values, launch shape and shared memory of one tq_decode_mma call."""
     cfg = _mma_config(
-        quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, has_extra, commit_rows
+        quant, group, rows, head_dim, scale, has_starts, has_sink, out_dtype, dense, commit_rows
     )
     tiles = -(-end // 16)
     splits = _mma_splits(cfg, tiles, n_seq_heads, tiles_per_warp)
@@ -357,14 +389,14 @@ def tq_decode_mma(
 
 class MmaLaunch:
     """What a tq_decode_mma call shape (quant, query shape and dtype, KV heads, scale, starts,
-    sinks) needs at every step, and its launch shape per 16-key tile count: host time per
-    call is what bounds decode, and a decode step repeats one shape per layer. `reason`: why
-    the kernel cannot serve the shape (then the rest is unset), or None."""
+    sinks, a protected layer's FP16 rows) needs at every step, and its launch shape per 16-key
+    tile count: host time per call is what bounds decode, and a decode step repeats one shape
+    per layer. `reason`: why the kernel cannot serve the shape (then the rest is unset), or None."""
 
     def __init__(
-        self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra=False,
-        commit_rows: int = 1,
-    ):
+        self, quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink,
+        dense: tuple | None = None, commit_rows: int = 1,
+    ):  # fmt: skip
         B, Hq, M, D = queries.shape
         G = Hq // Hkv
         self.reason = tq_mma_unsupported(quant, G, M, D)
@@ -381,23 +413,31 @@ class MmaLaunch:
         self.by_tiles: dict[int, tuple] = {}
         self._kernel = None
         if self.per < M:  # launches of `per` rows each (split_rows), each its own shape
+            self.dense = dense
             return
-        self.cfg = _mma_config(
-            quant, G, M, D, scale, has_starts, has_sink, queries.dtype, has_extra, commit_rows
-        )
+        self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, dense, commit_rows)
         self.tables = self.cfg.tables[0]
         self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
+        # DENSE: R more blocks per (b, KV head), one FP16-rows partial of D + 3 words each.
+        self.dense = dense
+        self.dense_blocks = self.cfg.R if dense else 0
+        self.head_dim = D
         self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
         self.dtype = queries.dtype
         self.output_shapes = [(B, Hq, M, D)]
         self.output_dtypes = [queries.dtype]
 
     def __call__(
-        self, queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, tiles_per_warp=None, extra=None
-    ):
+        self, queries, k_codes, k_norms, v_codes, v_norms, position, kv_start, sinks, tiles_per_warp=None,
+        dense_rows=None,
+    ):  # fmt: skip
+        """dense_rows: [k_sinks, v_sinks, k_recent, v_recent, k_mean] of a protected layer
+        (DENSE; the sink arrays are the ring's without sink rows, the mean _ZEROS8 without
+        one); `position` is then the first query position less window and sink rows, and
+        kv_start is not shifted."""
         if self.per < self.rows:
-            if extra is not None:
-                raise _backend.KernelUnsupported(f"{self.rows} query rows take several launches: no FP16-row partial")
+            if self.dense is not None:
+                raise _backend.KernelUnsupported(f"{self.rows} query rows take several launches: no FP16 rows")
             return split_rows(
                 tq_decode_mma,
                 self.per,
@@ -414,7 +454,7 @@ class MmaLaunch:
                 commit_rows=self.commit_rows,
                 _tiles_per_warp=tiles_per_warp,
             )
-        tiles = (position + self.rows + 15) // 16
+        tiles = max(1, (_committed(position + self.rows, self.commit_rows) + 15) // 16)
         shape = self.by_tiles.get(tiles) if tiles_per_warp is None else None
         if shape is None:
             shape = self.shape(tiles, tiles_per_warp)
@@ -433,7 +473,7 @@ class MmaLaunch:
                 v_norms,
                 self.tables,  # K table, V table, Π_K, Π_V
                 sinks_arg(sinks),
-                _ZEROS8 if extra is None else extra,
+                *(dense_rows or _NO_DENSE),
                 *step_args(position, kv_start, self.batch),
                 *chain,  # scratch, after
             ],
@@ -455,8 +495,10 @@ class MmaLaunch:
 
     def shape(self, tiles: int, tiles_per_warp: int | None = None) -> tuple:
         """(grid, words of partials) for this many tiles; kept unless tiles_per_warp is forced."""
-        splits = _mma_splits(self.cfg, tiles, self.n_seq_heads, tiles_per_warp)
-        shape = ((32 * self.cfg.nwarp * splits, self.n_seq_heads, 1), self.n_seq_heads * splits * self.part_words)
+        splits = _mma_splits(self.cfg, tiles, self.n_seq_heads, tiles_per_warp, self.dense_blocks)
+        blocks = splits + self.dense_blocks
+        words = self.n_seq_heads * (splits * self.part_words + self.dense_blocks * (self.head_dim + 3))
+        shape = ((32 * self.cfg.nwarp * blocks, self.n_seq_heads, 1), words)
         if tiles_per_warp is None:
             if len(self.by_tiles) >= 4096:  # contexts only grow: older counts are done with
                 self.by_tiles.clear()
@@ -464,17 +506,25 @@ class MmaLaunch:
         return shape
 
 
+_NO_DENSE = [_ZEROS8] * 5
+
+
+def _committed(n: int, commit_rows: int) -> int:
+    """ts_committed<CB>(n) of tq_common.h: n floored to whole commit blocks (n <= 0 as is)."""
+    return n if commit_rows == 1 or n <= 0 else n // commit_rows * commit_rows
+
+
 def mma_launch(
-    quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, has_extra: bool = False,
+    quant: LayerQuant, queries: mx.array, Hkv: int, scale, has_starts, has_sink, dense: tuple | None = None,
     commit_rows: int = 1,
 ) -> MmaLaunch:
     """The MmaLaunch of a call shape, cached beside the K tables (dropped with the layer)."""
     cache = TABLES.get(quant.k) or TABLES.setdefault(quant.k, {})
-    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, has_extra,
+    key = ("launch", quant.v, queries.shape, queries.dtype, Hkv, scale, has_starts, has_sink, dense,
            commit_rows)  # fmt: skip
     launch = cache.get(key)
     if launch is None:
         launch = cache[key] = MmaLaunch(
-            quant, queries, Hkv, scale, has_starts, has_sink, has_extra, commit_rows
+            quant, queries, Hkv, scale, has_starts, has_sink, dense, commit_rows
         )
     return launch
