@@ -207,12 +207,12 @@ class KVCacheManager:
             if quant is not None and keep <= self.config.window_rows:  # the FP16 window holds it all
                 quant, protected = None, False
         if protected:
-            W, B = self.config.window_rows, self.config.commit_rows
             # Bounded: codes for the positions a query reads beyond the window, plus
             # max_rows - 1, so an M-row chunk's first row still finds its oldest code.
-            ring = None if keep is None else keep - W + self.max_rows - 1
-            # The ring: the W + B - 1 uncommitted rows a query may read at most, and an M-row write.
-            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=W + B - 1 + self.max_rows)
+            ring = None if keep is None else keep - self.config.window_rows + self.max_rows - 1
+            # The ring: the uncommitted rows a query may read at most, and an M-row write.
+            recent = self.config.uncommitted_rows + self.max_rows
+            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=recent)
         # A ring keeps max_rows - 1 positions beyond its window, so an
         # M-row write never overwrites a key that a row of the same chunk needs.
         ring = None if keep is None else keep + self.max_rows - 1
@@ -642,7 +642,7 @@ class KVCacheManager:
                 f"layer {layer}: {cap} code slots given, the bounded layer's ring holds {l.ring_capacity}"
             )
         c = self.config
-        held = cap + c.window_rows + c.commit_rows - 1 + c.sink_rows if l.recent_capacity else cap
+        held = cap + c.uncommitted_rows + c.sink_rows if l.recent_capacity else cap
         if bounded and cap == l.ring_capacity:  # a full ring: any later position maps onto it
             held = None
         if not isinstance(offset, int) or offset < 0 or (held is not None and offset > held):

@@ -114,6 +114,12 @@ class TurboQuantConfig:
         """True when compressed layers keep FP16 rows (window, sinks) or centre their keys."""
         return not self.is_fp16 and bool(self.window_rows or self.sink_rows or self.center_keys)
 
+    @property
+    def uncommitted_rows(self) -> int:
+        """The most positions past its sink rows a protected layer holds in FP16 only: the
+        window and an unfinished commit block (W + B - 1)."""
+        return self.window_rows + self.commit_rows - 1
+
     def committed_end(self, n):
         """On a protected layer holding `n` positions (an int, or an mx.array of them), the end
         of the positions with codes, [sink_rows, committed_end(n)): sink_rows + the multiple of
