@@ -161,3 +161,48 @@ def test_mma_shared_memory_fits_one_block_on_sm90():
                     assert plan["smem"] <= limit, (kb, vb, d, g, m, plan["smem"])
                     pl_seen.add(dict(plan["template"])["PL"])
     assert pl_seen == {True, False}
+
+
+def test_mma_launch_with_fp16_rows(monkeypatch):
+    """A protected layer's tq_decode_mma launch (DENSE): R more blocks per (b, KV head) in x for
+    the FP16 rows, a scratch with room for their partials after the splits', the sink rows,
+    ring and key mean as inputs, and the tile count from the last row's committed code end.
+    Where the FP16 blocks would spill out of the splits' wave, the splits make room for them
+    if that costs at most MMA_DENSE_WAVE_TILES more tiles per warp: at 4k keys (llama shape)
+    everything fits one wave, at 128k the splits are those of a plain launch."""
+    quant = _quant(4, 4, 128)
+    q = mx.zeros((1, 32, 1, 128), mx.bfloat16)
+    S, W, B, ring_slots = 4, 128, 64, 128 + 63 + 2048
+    dense = (S, W, ring_slots, True)
+    kc = mx.zeros((1, 8, 140_000, quant.k.words), mx.uint32)
+    kn = mx.zeros((1, 8, 140_000), mx.float32)
+    rows = [mx.zeros((1, 8, S, 128), mx.bfloat16)] * 2 + [mx.zeros((1, 8, ring_slots, 128), mx.bfloat16)] * 2
+    rows.append(mx.zeros((1, 8, 128), mx.float32))
+    launch = decode_mma.mma_launch(quant, q, 8, 128**-0.5, False, False, dense=dense, commit_rows=B)
+    plain = decode_mma.mma_launch(quant, q, 8, 128**-0.5, False, False)
+    assert launch is not plain and launch.dense_blocks == 4  # R = 4 query heads per KV head
+    calls = []
+
+    def record(**kw):
+        calls.append(kw)
+        return kw["inputs"][0], None
+
+    monkeypatch.setattr(launch, "_kernel", record)
+    wave = decode_mma.MMA_SMS * min(launch.cfg.per_sm, decode_mma.MMA_BLOCKS_PER_SM)
+    for position in (4096, 4096 + 63, 131_072):
+        first = position - W - S  # the kernel's pos0: row t reads the code slots below c(t + 1) - S
+        launch(q, kc, kn, kc, kn, first, 0, None, dense_rows=rows)
+        kw = calls[-1]
+        code_end = (first + 1) // B * B
+        splits = decode_mma._mma_splits(launch.cfg, -(-code_end // 16), 8, None, 4)
+        assert kw["grid"] == (32 * launch.cfg.nwarp * (splits + 4), 8, 1)
+        args = dict(zip(build.SPECS["tq_decode_mma"].inputs, kw["inputs"], strict=True))
+        partials = 8 * (splits * (4 * 128 + 2 * 8) + 4 * (128 + 3))
+        assert args["scratch"].size >= decode_mma.MMA_TICKET_WORDS + partials
+        assert all(args[n] is a for n, a in zip(("k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean"), rows))
+        assert args["qpos"].shape == (first + 1,)
+        if position < 8192:
+            assert 8 * (splits + 4) <= wave, splits
+        else:
+            assert splits == decode_mma._mma_splits(plain.cfg, -(-code_end // 16), 8)
+    assert dict(launch.cfg.template)["DENSE"] and not dict(plain.cfg.template)["DENSE"]
