@@ -199,7 +199,8 @@ def test_mma_launch_with_fp16_rows(monkeypatch):
         args = dict(zip(build.SPECS["tq_decode_mma"].inputs, kw["inputs"], strict=True))
         partials = 8 * (splits * (4 * 128 + 2 * 8) + 4 * (128 + 3))
         assert args["scratch"].size >= decode_mma.MMA_TICKET_WORDS + partials
-        assert all(args[n] is a for n, a in zip(("k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean"), rows))
+        names = ("k_sinks", "v_sinks", "k_recent", "v_recent", "k_mean")
+        assert all(args[n] is a for n, a in zip(names, rows))
         assert args["qpos"].shape == (first + 1,)
         if position < 8192:
             assert 8 * (splits + 4) <= wave, splits

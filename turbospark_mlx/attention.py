@@ -94,7 +94,7 @@ def store_and_attend(
     """Write M rows of keys and values at `position`, commit them, and attend with M query rows
     at the same positions: `store_kv` then `attention_any`, the write path of one attention
     block. A protected layer's decode step on CUDA takes `ProtectedStep` instead: the same
-    result in two launches, with its host work prepared once per call shape."""
+    result in one launch (two on a commit step), with its host work prepared once per call shape."""
     step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is not None:
         return step(cache, layer, queries, keys, values, position, kv_start, sinks)
@@ -409,7 +409,8 @@ def _protected_mma(cache, layer, queries, position, scale, sinks, kv_start) -> m
     # Code slot i holds position i + S, and row t reads the slots below committed_end(t + 1) - S,
     # which the kernel takes as t + 1 - W - S floored to whole commit blocks.
     first = position - config.window_rows - config.sink_rows
-    return mma(queries, *_codes(arrays), first, kv_start, sinks, dense_rows=_dense_rows(arrays, config.sink_rows))
+    dense_rows = _dense_rows(arrays, config.sink_rows)
+    return mma(queries, *_codes(arrays), first, kv_start, sinks, dense_rows=dense_rows)
 
 
 def _dense_config(config, ring_slots: int, arrays: dict) -> tuple:
@@ -477,7 +478,8 @@ class ProtectedStep:
         first, end = self.config.committed_end(position), self.config.committed_end(position + M)
         if end > first:  # positions [first, end) leave the FP16 rows: code slots first - S on
             cache._reserve(l, end - S)
-            codes = tq_commit(a["k_recent"], a["v_recent"], first, end - first, l.quant, self.R, a.get("k_mean"))
+            mean = a.get("k_mean")
+            codes = tq_commit(a["k_recent"], a["v_recent"], first, end - first, l.quant, self.R, mean)
             for name, r in zip(_CODES, codes):
                 a[name][:, :, first - S : end - S] = r
         l.offset = position + M

@@ -437,7 +437,9 @@ class MmaLaunch:
         kv_start is not shifted."""
         if self.per < self.rows:
             if self.dense is not None:
-                raise _backend.KernelUnsupported(f"{self.rows} query rows take several launches: no FP16 rows")
+                raise _backend.KernelUnsupported(
+                    f"{self.rows} query rows take several launches: no FP16 rows"
+                )
             return split_rows(
                 tq_decode_mma,
                 self.per,
