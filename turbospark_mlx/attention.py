@@ -24,12 +24,11 @@ import numpy as np
 from .cache import KVCacheManager, store_kv
 from .cache.window import ring_rows
 from .gpu import backend as _backend
-from .gpu.args import TABLES
+from .gpu.args import _ZEROS8, TABLES
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
 from .gpu.decode_mma import MmaLaunch, mma_launch
-from .gpu.args import _ZEROS8
-from .gpu.quantize import tq_commit
 from .gpu.dequantize import tq_dequantize
+from .gpu.quantize import tq_commit
 from .quant.compiled import protected_step_ref
 from .quant.reference import tq_attention_ref
 from .quant.tables import SIDES
@@ -54,7 +53,8 @@ PREFILL_SCORE_BYTES = 4 << 30
 # 2 in flight (H200, one run; benchmarks/results/generate_e2e.md has the shipped numbers).
 PREFILL_IN_FLIGHT = 2
 # Prefill calls started and not yet waited for, of every cache: the GPU runs one stream, and
-# mlx-lm's drop-in holds one cache per layer.
+# mlx-lm's drop-in holds one cache per layer. (The last ones stay referenced, outputs only, until
+# the next prefill.)
 _PREFILL_PENDING: list[mx.array] = []
 
 
@@ -264,7 +264,7 @@ def _prefill_attention(cache, layer, queries, position, scale, sinks, kv_start, 
             q = mx.depends(queries[:, :, a:b], outs[-1]) if outs else queries[:, :, a:b]
             outs.append(rows(a, b, q, fused=False))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    # Started here and waited for PREFILL_IN_FLIGHT layers on (evaluated with the whole chunk,
+    # Started here and waited for PREFILL_IN_FLIGHT calls later (evaluated with the whole chunk,
     # every layer's decoded history would be alive at once) while the host builds the next ones.
     mx.async_eval(out)
     pending.append(out)
@@ -427,6 +427,7 @@ def _dense_rows(arrays: dict, sink_rows: int) -> list[mx.array]:
 
 
 def _codes(arrays: dict) -> list[mx.array]:
+    """A compressed layer's codes and norms, in the kernels' order."""
     return [arrays[n] for n in _CODES]
 
 
