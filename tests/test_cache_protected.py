@@ -252,10 +252,11 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     import copy
 
     from turbospark_mlx import attention
+    from turbospark_mlx.cache import window
     from turbospark_mlx.cache.window import ring_rows
     from turbospark_mlx.quant.reference import quantize_ref
 
-    def commit_ref(k_ring, v_ring, first, n, quant, ring_capacity, k_mean=None):  # tq_commit
+    def commit_ref(k_ring, v_ring, first, n, quant, ring_capacity, k_mean=None, backend="cuda"):  # tq_commit
         k = ring_rows(k_ring, first, first + n, ring_capacity).astype(mx.float32)
         if k_mean is not None:
             k = k - k_mean[:, :, None]
@@ -274,7 +275,7 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     for p in range(0, 24, 8):  # past sink + window rows: codes and a key mean exist
         store_kv(fast, 0, p, k[:, :, p : p + 8], v[:, :, p : p + 8])
     general = copy.deepcopy(fast)
-    monkeypatch.setattr(attention, "tq_commit", commit_ref)
+    monkeypatch.setattr(window, "tq_commit", commit_ref)
     monkeypatch.setattr(attention, "mma_launch", lambda *a, **kw: Mma())
     monkeypatch.setattr(attention._backend, "current_backend", lambda: "cuda")
     steps = 0

@@ -21,14 +21,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCacheManager, store_kv
+from .cache import KVCacheManager, store_kv, window
 from .cache.window import ring_rows
 from .gpu import backend as _backend
 from .gpu.args import _ZEROS8, TABLES
 from .gpu.decode import tq_decode_attention, tq_decode_unsupported
 from .gpu.decode_mma import MmaLaunch, mma_launch
 from .gpu.dequantize import tq_dequantize
-from .gpu.quantize import tq_commit
 from .quant.compiled import protected_step_ref
 from .quant.reference import tq_attention_ref
 from .quant.tables import SIDES
@@ -476,13 +475,7 @@ class ProtectedStep:
         s = position % self.R
         for name, rows in (("k_recent", keys), ("v_recent", values)):
             a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        first, end = self.config.committed_end(position), self.config.committed_end(position + M)
-        if end > first:  # positions [first, end) leave the FP16 rows: code slots first - S on
-            cache._reserve(l, end - S)
-            mean = a.get("k_mean")
-            codes = tq_commit(a["k_recent"], a["v_recent"], first, end - first, l.quant, self.R, mean)
-            for name, r in zip(_CODES, codes):
-                a[name][:, :, first - S : end - S] = r
+        window.commit(cache, l, position, M)  # on one step in commit_rows: tq_commit of a block
         l.offset = position + M
         return self.mma(
             queries, *_codes(a), position - self.first_offset, kv_start, sinks, dense_rows=_dense_rows(a, S)

@@ -412,14 +412,13 @@ class MmaLaunch:
         self.n_seq_heads = B * Hkv
         self.by_tiles: dict[int, tuple] = {}
         self._kernel = None
+        self.dense = dense
         if self.per < M:  # launches of `per` rows each (split_rows), each its own shape
-            self.dense = dense
             return
         self.cfg = _mma_config(quant, G, M, D, scale, has_starts, has_sink, queries.dtype, dense, commit_rows)
         self.tables = self.cfg.tables[0]
         self.part_words = self.cfg.R * D + 2 * self.cfg.RP  # one partial (tq_decode_mma.kernel)
         # DENSE: R more blocks per (b, KV head), one FP16-rows partial of D + 3 words each.
-        self.dense = dense
         self.dense_blocks = self.cfg.R if dense else 0
         self.head_dim = D
         self.threadgroup = (32 * self.cfg.nwarp, 1, 1)
