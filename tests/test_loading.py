@@ -417,3 +417,29 @@ def test_speculative_decoding_gives_the_models_tokens(tmp_path, kv):
         assert cache.offset == len(ids) + len(out) - 1
     with pytest.raises(ValueError, match="vocabulary"):
         next(ts.stream_generate(model, tok, ids, draft_model=random_model(dict(config, vocab_size=80))))
+
+
+def test_cpu_weights_column_major(tmp_path):
+    """On the CPU, float32 Linear / Embedding weights with more outputs than inputs are kept
+    as transposes of (in, out) arrays (MKL's one-row product reads them faster that way), the
+    others as stored: same values, same logits."""
+    model = random_model()
+    path = write_hf_dir(tmp_path / "m", model)
+    loaded, _ = ts.load(path)
+    seen = set()
+    for name, m in loaded.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            rows, cols = m.weight.shape
+            column_major = rows > cols
+            seen.add(column_major)
+            want = (4, 4 * rows) if column_major else (4 * cols, 4)
+            assert memoryview(m.weight).strides == want, name
+    assert seen == {True, False}  # the model has both kinds (gate/up_proj: 96 x 64; down_proj: 64 x 96)
+    flat = dict(tree_flatten(model.parameters()))
+    for name, p in tree_flatten(loaded.parameters()):
+        assert mx.array_equal(p, flat[name]).item(), name
+    x = prompt_ids()
+    want = model(x)
+    assert mx.abs(loaded(x) - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+    lazy, _ = ts.load(path, lazy=True)  # lazy loads leave the layout as stored
+    assert memoryview(lazy.model.layers[0].mlp.up_proj.weight).strides == (4 * 64, 4)

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from .gguf import GGUF_ARCHITECTURES, load_gguf, load_gguf_model, read_gguf
 from .hf import load_hf_dir, snapshot
 
-__all__ = ["GGUF_ARCHITECTURES", "load", "load_gguf", "load_gguf_model", "load_hf_dir", "read_gguf"]
+__all__ = ["GGUF_ARCHITECTURES", "column_major_weights", "load", "load_gguf", "load_gguf_model", "load_hf_dir", "read_gguf"]
 
 
 def load(
@@ -87,6 +87,8 @@ def load(
             model.shard(group)
     if not lazy:
         _read_weights(model, progress)
+        if mx.default_device() == mx.cpu:
+            column_major_weights(model)
     return model, tokenizer
 
 
@@ -107,6 +109,24 @@ def _read_weights(model: nn.Module, progress: Callable[[int, int], None] | None)
             done += size
             group, size = [], 0
             progress(done, total)
+
+
+def column_major_weights(model: nn.Module) -> None:
+    """Keep each float32 Linear / Embedding weight (out, in) with more outputs than inputs as
+    the transpose view of an (in, out) array, so `x @ w.T` reaches BLAS untransposed.
+
+    MKL's one-row product (a decode step) reads such a matrix in that layout faster, and a
+    matrix with fewer outputs than inputs in the stored one (measured on an x86-64 VM: a
+    49152 x 576 output projection 7.8 -> 4.2 ms, 1536 x 576 0.26 -> 0.19 ms, 576 x 1536
+    0.21 -> 0.28 ms; docs/backends.md). One weight at a time, so the copy costs one matrix
+    of memory at most.
+    """
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dtype == mx.float32:
+            out_features, in_features = module.weight.shape
+            if out_features > in_features:
+                module.weight = mx.contiguous(module.weight.T).T
+                mx.eval(module.weight)
 
 
 def _named(loader, path: Path, dtype: mx.Dtype | None):
