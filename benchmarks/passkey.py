@@ -3,7 +3,8 @@
 A 5-digit key is hidden at evenly spaced depths of filler text that fills `--context`
 tokens (`turbospark_mlx.evaluate.passkey_prompts`, through the model's chat template); the
 model is asked for it and decodes greedily (`passkey_score`). A preset passes when it
-retrieves the same keys as the FP16 cache.
+retrieves the same keys as the FP16 cache. Each answer carries its key margin in nats
+(`key_margin`: how far the greedy answer was from leaving the key, negative where it left it).
 
     python benchmarks/passkey.py --models smollm2 --context 8192 --depths 3
     python benchmarks/passkey.py --models gemma3 --context 16384 --depths 3
@@ -50,6 +51,12 @@ def preset_arg(text: str) -> TurboQuantConfig:
         return preset.with_(name=text, **fields)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def _margin(trial: dict) -> str:
+    """` (+0.21)`: the trial's key margin in nats (`turbospark_mlx.evaluate.key_margin`)."""
+    m = trial.get("margin")
+    return "" if m is None else f" ({m:+.2f})"
 
 
 def main() -> None:
@@ -104,7 +111,7 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        answers = "; ".join(f"depth {t['depth']:.2f}: {t['answer'].strip()[:40]!r}" for t in r["trials"])
+        answers = "; ".join(f"depth {t['depth']:.2f}: {t['answer'].strip()[:40]!r}" + _margin(t) for t in r["trials"])
         lines.append(f"| {r['model']} | {r['context']} | {r['preset']} | {r['hits']}/{len(r['trials'])} | {answers} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

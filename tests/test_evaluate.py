@@ -164,6 +164,49 @@ def test_passkey_score_counts_answers_holding_the_key(model, monkeypatch):
     assert [t["hit"] for t in got["trials"]] == [True, False] and got["trials"][0]["answer"] == " 11111."
 
 
+def _logprobs(*favoured: dict[str, float], vocab=128):
+    """One log-softmax row per position; each dict raises the logits of these characters."""
+    rows = []
+    for f in favoured:
+        x = mx.zeros((vocab,))
+        for ch, v in f.items():
+            x[ord(ch)] = v
+        rows.append(x - mx.logsumexp(x))
+    return rows
+
+
+def test_key_margin_follows_the_key_and_goes_negative_where_the_answer_leaves_it():
+    tok = CharTokenizer()
+    # " 65" of key "65125": the space is passed over; "6" beats "1" by 0.5, then "5" beats "4" by 2.
+    lps = _logprobs({" ": 3.0}, {"6": 2.5, "1": 2.0}, {"5": 4.0, "4": 2.0})
+    got = ev.key_margin(tok, "65125", tok.encode(" 65"), lps)
+    assert got == pytest.approx(0.5, abs=1e-5)
+    # The answer says "1" where the key's "6" was 0.5 behind: -0.5, and nothing after counts.
+    lps = _logprobs({" ": 3.0}, {"6": 2.0, "1": 2.5}, {".": 9.0})
+    assert ev.key_margin(tok, "65125", tok.encode(" 1."), lps) == pytest.approx(-0.5, abs=1e-5)
+    # Leaving the key midway: "6" then "3" (key wants "5", 1.0 behind).
+    lps = _logprobs({"6": 5.0}, {"3": 3.0, "5": 2.0})
+    assert ev.key_margin(tok, "65125", tok.encode("63"), lps) == pytest.approx(-1.0, abs=1e-5)
+    # An answer with no number has no margin.
+    assert ev.key_margin(tok, "65125", tok.encode("no"), _logprobs({"n": 1.0}, {"o": 1.0})) is None
+
+
+def test_passkey_score_reports_each_trials_margin(model, monkeypatch):
+    tok = CharTokenizer()
+    prompts = [{"depth": d, "key": k, "ids": tok.encode("x")} for d, k in ((0.0, "11111"), (1.0, "21111"))]
+    answer = " 11111."  # each character 1.0 ahead of "2", the rest of the vocabulary far behind
+
+    def decode(model, cache, ids, max_tokens, step, stop, logprobs):
+        logprobs += _logprobs(*({ch: 3.0, "2": 2.0} for ch in answer))
+        return tok.encode(answer)
+
+    monkeypatch.setattr(ev, "greedy_decode", decode)
+    got = ev.passkey_score(model, tok, ts.get_preset("fp16"), prompts, 64, 16)
+    hit, miss = got["trials"]
+    assert hit["hit"] and hit["margin"] == pytest.approx(1.0, abs=1e-4)
+    assert not miss["hit"] and miss["margin"] == pytest.approx(-1.0, abs=1e-4)
+
+
 def test_greedy_decode_matches_generation(tmp_path):
     model, tok = ts.load(write_hf_dir(tmp_path / "m", random_model()))
     ids = [i % 64 for i in text_ids(20, seed=2)]

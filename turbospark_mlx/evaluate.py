@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -200,9 +201,16 @@ def passkey_prompts(
 
 
 def greedy_decode(
-    model: nn.Module, cache: KVCacheManager, ids: Sequence[int], max_tokens: int, step: int, stop: set[int]
+    model: nn.Module,
+    cache: KVCacheManager,
+    ids: Sequence[int],
+    max_tokens: int,
+    step: int,
+    stop: set[int],
+    logprobs: list[mx.array] | None = None,
 ) -> list[int]:
-    """Prefill `ids` through `cache` (as generation does), then greedily decode up to max_tokens."""
+    """Prefill `ids` through `cache` (as generation does), then greedily decode up to max_tokens.
+    With `logprobs`, each chosen token's log-probabilities over the vocabulary are appended."""
     logits = prefill(model, cache, mx.array(ids)[None], step)
     out: list[int] = []
     while True:
@@ -211,9 +219,68 @@ def greedy_decode(
         if token in stop:
             return out
         out.append(token)
+        if logprobs is not None:
+            x = logits[0].astype(mx.float32)
+            logprobs.append(x - mx.logsumexp(x))
         if len(out) >= max_tokens:
             return out
         logits = model(y.reshape(1, 1), cache=cache)[:, -1, :]
+
+
+def _digit_tokens(tokenizer, vocab: int) -> dict[str, list[tuple[int, bool]]]:
+    """Digit strings -> [(token id, written with leading whitespace)] over the first `vocab` ids
+    (decoded once per tokenizer and vocabulary size)."""
+    try:
+        known = _DIGIT_TOKENS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: decoded every time
+        known = {}
+    if vocab not in known:
+        found: dict[str, list[tuple[int, bool]]] = {}
+        for i in range(vocab):
+            try:
+                text = tokenizer.decode([i])
+            except Exception:  # an id past the tokenizer's vocabulary
+                continue
+            digits = text.lstrip()
+            if digits.isdigit() and digits.isascii():
+                found.setdefault(digits, []).append((i, digits != text))
+        known[vocab] = found
+    return known[vocab]
+
+
+_DIGIT_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def key_margin(tokenizer, key: str, tokens: Sequence[int], logprobs: Sequence[mx.array]) -> float | None:
+    """How far greedy decoding is from losing (or finding) the key, in nats.
+
+    From the first answer token that is a number or could begin the key on, each position
+    compares the best token that continues the key (a run of its next digits; the first may
+    carry leading whitespace) with the best other token: the smallest such margin along the key
+    while the answer follows it, or the margin where it leaves it (then negative). None when no
+    answer token is a number or could begin the key. A retrieval score flips with a trial's
+    luck; the margin says how close each trial was."""
+    digits = _digit_tokens(tokenizer, logprobs[0].shape[-1]) if logprobs else {}
+    rest, margin = key, None
+    for token, lp in zip(tokens, logprobs):
+        started = rest != key
+        ids = [i for n in range(1, len(rest) + 1) for i, spaced in digits.get(rest[:n], ()) if not (started and spaced)]
+        chosen = tokenizer.decode([token]).strip()
+        if not started and not (token in ids or chosen[:1].isdigit()):
+            continue  # words before the number
+        continues = mx.zeros(lp.shape, dtype=mx.bool_)
+        if ids:
+            continues[mx.array(ids)] = True
+        best_in = mx.max(mx.where(continues, lp, -mx.inf)).item()
+        best_out = mx.max(mx.where(continues, -mx.inf, lp)).item()
+        m = best_in - best_out
+        margin = m if margin is None else min(margin, m)
+        if token not in ids:
+            break
+        rest = rest[len(chosen) :]
+        if not rest:
+            break
+    return margin
 
 
 def passkey_score(
@@ -225,15 +292,20 @@ def passkey_score(
     step: int,
     progress: Progress | None = None,
 ) -> dict:
-    """Fraction of `prompts` whose greedy answer contains their key, with each answer."""
+    """Fraction of `prompts` whose greedy answer contains their key, with each answer and its
+    `key_margin`."""
     stop = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     trials = []
     for j, p in enumerate(prompts):
         if progress:
             progress(f"{preset.name}: passkey {j + 1}/{len(prompts)} (depth {p['depth']:.2f})")
         cache = make_cache(model, kv=preset, max_rows=step, max_context=context)
-        answer = tokenizer.decode(greedy_decode(model, cache, p["ids"], PASSKEY_NEW_TOKENS, step, stop))
-        trials.append({"depth": p["depth"], "key": p["key"], "answer": answer, "hit": p["key"] in answer})
+        logprobs: list[mx.array] = []
+        tokens = greedy_decode(model, cache, p["ids"], PASSKEY_NEW_TOKENS, step, stop, logprobs)
+        answer = tokenizer.decode(tokens)
+        margin = key_margin(tokenizer, p["key"], tokens, logprobs)
+        trials.append({"depth": p["depth"], "key": p["key"], "answer": answer, "hit": p["key"] in answer,
+                       "margin": None if margin is None else round(margin, 4)})  # fmt: skip
     hits = sum(t["hit"] for t in trials)
     return {"score": hits / len(trials) if trials else None, "hits": hits, "trials": trials}
 
