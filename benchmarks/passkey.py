@@ -111,7 +111,9 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        answers = "; ".join(f"depth {t['depth']:.2f}: {t['answer'].strip()[:40]!r}" + _margin(t) for t in r["trials"])
+        answers = "; ".join(
+            f"depth {t['depth']:.2f}: {t['answer'].strip()[:40]!r}" + _margin(t) for t in r["trials"]
+        )
         lines.append(f"| {r['model']} | {r['context']} | {r['preset']} | {r['hits']}/{len(r['trials'])} | {answers} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

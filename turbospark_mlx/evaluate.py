@@ -264,7 +264,9 @@ def key_margin(tokenizer, key: str, tokens: Sequence[int], logprobs: Sequence[mx
     rest, margin = key, None
     for token, lp in zip(tokens, logprobs):
         started = rest != key
-        ids = [i for n in range(1, len(rest) + 1) for i, spaced in digits.get(rest[:n], ()) if not (started and spaced)]
+        # Tokens for the key's next 1..n digits; whitespace before them only before the first.
+        runs = (digits.get(rest[:n], ()) for n in range(1, len(rest) + 1))
+        ids = [i for run in runs for i, spaced in run if not (started and spaced)]
         chosen = tokenizer.decode([token]).strip()
         if not started and not (token in ids or chosen[:1].isdigit()):
             continue  # words before the number

@@ -15,7 +15,15 @@ from mlx.utils import tree_flatten
 from .gguf import GGUF_ARCHITECTURES, load_gguf, load_gguf_model, read_gguf
 from .hf import load_hf_dir, snapshot
 
-__all__ = ["GGUF_ARCHITECTURES", "column_major_weights", "load", "load_gguf", "load_gguf_model", "load_hf_dir", "read_gguf"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "column_major_weights",
+    "load",
+    "load_gguf",
+    "load_gguf_model",
+    "load_hf_dir",
+    "read_gguf",
+]
 
 
 def load(
