@@ -292,3 +292,43 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
         for name in want:
             assert got[name].shape == want[name].shape and mx.array_equal(got[name], want[name]).item(), (p, name)
     assert steps == 120 - 24  # every step took the own path (the ring is full from position 16 on)
+
+
+def test_cuda_decode_step_plan_follows_the_call(monkeypatch):
+    """The layer keeps the ProtectedStep of its last call shape (`_Layer.step_plan`): the same
+    plan serves every decode step, a copy of the cache shares it, and what changes between
+    calls still sends a call to the general path: a second row, a position not at the end, a
+    start past the row, a trim back into the rows that read no codes, another backend."""
+    import copy
+
+    from turbospark_mlx import attention
+
+    class Mma:  # tq_decode_mma: takes every shape (its Python is not under test here)
+        reason, per = None, 16
+
+    config = protected(window=8, sinks=2, commit=4)
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=32, step=16)
+    k, v, q = data(48)
+    for p in range(0, 44, 4):  # the ring (window + commit - 1 + max_rows = 43 slots) is full at 43
+        store_kv(cache, 0, p, k[:, :, p : p + 4], v[:, :, p : p + 4])
+    monkeypatch.setattr(attention, "mma_launch", lambda *a, **kw: Mma())
+    monkeypatch.setattr(attention._backend, "current_backend", lambda: "cuda")
+    rows = (k[:, :, 44:45], v[:, :, 44:45])
+
+    def step(c, position=44, queries=q[:, :, :1], rows=rows, kv_start=0):
+        return attention._protected_step(c, 0, queries, *rows, position, None, None, kv_start)
+
+    first = step(cache)
+    assert first is not None and step(cache) is first and cache._layers[0].step_plan[1] is first
+    assert step(copy.deepcopy(cache)) is first
+    assert step(cache, queries=q[:, :, :1].astype(mx.bfloat16)) is not first  # a new call shape
+    assert step(cache) is first
+    assert step(cache, queries=q[:, :, :2], rows=(k[:, :, 44:46], v[:, :, 44:46])) is None  # two rows
+    assert step(cache, position=43) is None and step(cache, kv_start=45) is None
+    with monkeypatch.context() as m:
+        m.setattr(attention._backend, "current_backend", lambda: "reference")
+        assert step(cache) is None
+    assert step(cache) is first
+    first_read = config.window_rows + config.sink_rows + config.commit_rows  # rows before it read no codes
+    cache.trim(44 - first_read + 1)
+    assert step(cache, position=cache.layer_offset(0)) is None  # its row would read no codes

@@ -462,6 +462,9 @@ class ProtectedStep:
         config = cache.config
         self.config, self.S, self.R = config, config.sink_rows, l.recent_capacity
         self.first_offset = config.window_rows + config.sink_rows
+        # The first position whose row reads codes (committed_end(p) > sink_rows from it on).
+        self.first_read = self.first_offset + config.commit_rows
+        self.has_mean = "k_mean" in l.arrays
         self.dtype, self.rows = cache.dtype, queries.shape[2]
         self.mma: MmaLaunch = mma_launch(
             l.quant, queries, l.spec.n_kv_heads, scale, starts, has_sink,
@@ -469,13 +472,21 @@ class ProtectedStep:
         )  # fmt: skip
         self.usable = self.mma.reason is None and self.mma.per >= self.rows
 
+    def __deepcopy__(self, memo) -> "ProtectedStep":
+        return self  # a plan shared by every cache of its configuration, never changed by a call
+
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
         l, M, S = cache._layers[layer], self.rows, self.S
         a = l.arrays
         s = position % self.R
         for name, rows in (("k_recent", keys), ("v_recent", values)):
             a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        window.commit(cache, l, position, M)  # on one step in commit_rows: tq_commit of a block
+        # Rows past the window leave it in whole commit blocks: a block completes on one step in
+        # commit_rows, when window.commit quantizes it (tq_commit).
+        if (position + M - self.first_offset) // self.config.commit_rows != (
+            position - self.first_offset
+        ) // self.config.commit_rows:
+            window.commit(cache, l, position, M)
         l.offset = position + M
         return self.mma(
             queries, *_codes(a), position - self.first_offset, kv_start, sinks, dense_rows=_dense_rows(a, S)
@@ -494,38 +505,53 @@ def _protected_step(
     """The ProtectedStep for this call, or None where the general path serves it: another
     backend or layer kind, more than one row, a query row that reads no codes yet, a ring not
     at its full size, rows that do not match the layer (the general path names the problem),
-    a half-done write."""
+    a half-done write. The layer keeps the step of its last call shape (`_Layer.step_plan`),
+    so a decode step only re-checks what changes from step to step."""
     l = cache._layers.get(layer)
     if l is None or not l.recent_capacity or l.keep is not None or cache.stage.pending:
         return None
     if _backend.current_backend() != "cuda":
         return None
-    config, R, M = cache.config, l.recent_capacity, keys.shape[2]
-    a = l.arrays
+    sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
+           sinks is None, isinstance(kv_start, mx.array))  # fmt: skip
+    plan = l.step_plan
+    step = plan[1] if plan is not None and plan[0] == sig else _new_protected_step(cache, l, queries, keys,
+                                                                                   values, scale, sinks, sig)
     if (
-        position != l.offset
-        or config.committed_end(position) <= config.sink_rows  # the key mean is set, every row reads codes
-        or a["k_recent"].shape[2] != R
-        or M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
+        step is None
+        or position != l.offset
+        or position < step.first_read  # the key mean is set, every row reads codes
+        or l.arrays["k_recent"].shape[2] != step.R
+        or ("k_mean" in l.arrays) != step.has_mean
         or not isinstance(kv_start, (int, mx.array))
         or (kv_start if isinstance(kv_start, int) else int(np.asarray(kv_start).max())) > position
     ):  # (a start past the row: the general path names the problem)
         return None
-    B, Hkv, D = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim
+    return step
+
+
+def _new_protected_step(cache, l, queries, keys, values, scale, sinks, sig) -> ProtectedStep | None:
+    """The ProtectedStep of a call shape, kept on the layer and shared across caches of one
+    configuration (TABLES, per quantizer); None if the tensor-core kernel cannot take it."""
+    B, Hkv, D, M = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim, keys.shape[2]
     qs = queries.shape
     if (
-        len(qs) != 4 or qs[0] != B or qs[2] != M or qs[3] != D or qs[1] % Hkv
+        M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
+        or len(qs) != 4 or qs[0] != B or qs[2] != M or qs[3] != D or qs[1] % Hkv
         or keys.shape != (B, Hkv, M, D) or values.shape != keys.shape
         or not all(x.dtype in _FLOATS for x in (queries, keys, values))
         or (sinks is not None and sinks.shape != (qs[1],))
     ):  # fmt: skip
         return None
+    config, a = cache.config, l.arrays
     scale = D**-0.5 if scale is None else scale
-    starts = isinstance(kv_start, mx.array)
+    starts = sig[-1]
     cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})
     key = ("step", l.quant.v, queries.shape, queries.dtype, cache.dtype, scale, starts, sinks is not None,
-           config.sink_rows, config.window_rows, config.commit_rows, R, "k_mean" in a)  # fmt: skip
+           config.sink_rows, config.window_rows, config.commit_rows, l.recent_capacity, "k_mean" in a)  # fmt: skip
     step = cached.get(key)
     if step is None:
         step = cached[key] = ProtectedStep(cache, l, queries, scale, starts, sinks is not None)
-    return step if step.usable else None
+    step = step if step.usable else None
+    l.step_plan = (sig, step)
+    return step

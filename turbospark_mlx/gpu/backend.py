@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Iterator
 
 import mlx.core as mx
@@ -36,13 +37,21 @@ def _check_name(name: str) -> str:
     return name
 
 
+@lru_cache(maxsize=None)
+def _gpu_backend() -> str | None:
+    """The GPU backend this MLX build has, if any (fixed for the process; asked once, since a
+    decode step asks for the backend in every layer)."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
 def auto_backend() -> str:
     """The backend the MLX build and default device call for."""
     if mx.default_device() == mx.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if mx.cuda.is_available():
-            return "cuda"
+        return _gpu_backend() or "reference"
     return "reference"
 
 

@@ -129,10 +129,10 @@ def _family_key(cls: type) -> str:
 
 def _turbospark_call(self, x: mx.array, mask=None, cache=None):
     """Attention forward: TurboSpark caches go through attend(); any other cache to the original."""
-    original = type(self)._turbospark_original
-    if not isinstance(cache, (TurboSparkKVCache, TurboSparkBatchKVCache)):
-        return original.__call__(self, x, mask, cache)
-    fam = _FAMILIES[_family_key(original)]
+    cls = type(self)
+    if not isinstance(cache, _CACHE_CLASSES):
+        return cls._turbospark_original.__call__(self, x, mask, cache)
+    fam = cls._turbospark_family
     B, L, _ = x.shape
     q = self.q_proj(x).reshape(B, L, getattr(self, fam.n_heads), -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(B, L, getattr(self, fam.n_kv_heads), -1).transpose(0, 2, 1, 3)
@@ -140,8 +140,9 @@ def _turbospark_call(self, x: mx.array, mask=None, cache=None):
     if fam.norms:
         q, k = self.q_norm(q), self.k_norm(k)
     # The mask is not needed: attend() masks causally by position and skips padding rows.
-    q = self.rope(q, offset=cache.offset)
-    k = self.rope(k, offset=cache.offset)
+    offset = cache.offset
+    q = self.rope(q, offset=offset)
+    k = self.rope(k, offset=offset)
     sinks = getattr(self, fam.sinks) if fam.sinks else None
     out = cache.attend(q, k, v, scale=getattr(self, fam.scale), sinks=sinks)
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -152,7 +153,12 @@ def _converted_class(original: type) -> type:
         _CONVERTED[original] = type(
             f"TurboSpark{original.__name__}",
             (original,),
-            {"__call__": _turbospark_call, "_turbospark_original": original, "__module__": __name__},
+            {
+                "__call__": _turbospark_call,
+                "_turbospark_original": original,
+                "_turbospark_family": _FAMILIES[_family_key(original)],
+                "__module__": __name__,
+            },
         )
     return _CONVERTED[original]
 
