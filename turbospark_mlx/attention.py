@@ -515,8 +515,10 @@ def _protected_step(
     sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
            sinks is None, isinstance(kv_start, mx.array))  # fmt: skip
     plan = l.step_plan
-    step = plan[1] if plan is not None and plan[0] == sig else _new_protected_step(cache, l, queries, keys,
-                                                                                   values, scale, sinks, sig)
+    if plan is None or plan[0] != sig:
+        step = _new_protected_step(cache, l, queries, keys, values, scale, sinks, sig[-1])
+        plan = l.step_plan = (sig, step)
+    step = plan[1]
     if (
         step is None
         or position != l.offset
@@ -530,9 +532,9 @@ def _protected_step(
     return step
 
 
-def _new_protected_step(cache, l, queries, keys, values, scale, sinks, sig) -> ProtectedStep | None:
-    """The ProtectedStep of a call shape, kept on the layer and shared across caches of one
-    configuration (TABLES, per quantizer); None if the tensor-core kernel cannot take it."""
+def _new_protected_step(cache, l, queries, keys, values, scale, sinks, starts: bool) -> ProtectedStep | None:
+    """The ProtectedStep of a call shape, shared by the caches of one configuration (TABLES, per
+    quantizer); None if the tensor-core kernel cannot take the shape."""
     B, Hkv, D, M = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim, keys.shape[2]
     qs = queries.shape
     if (
@@ -545,13 +547,11 @@ def _new_protected_step(cache, l, queries, keys, values, scale, sinks, sig) -> P
         return None
     config, a = cache.config, l.arrays
     scale = D**-0.5 if scale is None else scale
-    starts = sig[-1]
     cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})
     key = ("step", l.quant.v, queries.shape, queries.dtype, cache.dtype, scale, starts, sinks is not None,
-           config.sink_rows, config.window_rows, config.commit_rows, l.recent_capacity, "k_mean" in a)  # fmt: skip
+           config.sink_rows, config.window_rows, config.commit_rows, l.recent_capacity,
+           "k_mean" in a)  # fmt: skip
     step = cached.get(key)
     if step is None:
         step = cached[key] = ProtectedStep(cache, l, queries, scale, starts, sinks is not None)
-    step = step if step.usable else None
-    l.step_plan = (sig, step)
-    return step
+    return step if step.usable else None
