@@ -481,12 +481,7 @@ class ProtectedStep:
         s = position % self.R
         for name, rows in (("k_recent", keys), ("v_recent", values)):
             a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        # Rows past the window leave it in whole commit blocks: a block completes on one step in
-        # commit_rows, when window.commit quantizes it (tq_commit).
-        if (position + M - self.first_offset) // self.config.commit_rows != (
-            position - self.first_offset
-        ) // self.config.commit_rows:
-            window.commit(cache, l, position, M)
+        window.commit(cache, l, position, M)  # on one step in commit_rows: tq_commit of a block
         l.offset = position + M
         return self.mma(
             queries, *_codes(a), position - self.first_offset, kv_start, sinks, dense_rows=_dense_rows(a, S)
