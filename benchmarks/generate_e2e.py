@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model, seconds on a CPU; to a temp dir")
     ap.add_argument("--out", help="path stem of STEM.json / .md (default benchmarks/results/generate_e2e)")
     args = ap.parse_args()
-    tiny = {"contexts": [96], "chunk": 32, "steps": 4, "rounds": 1}
+    tiny = {"contexts": [1024], "chunk": 32, "steps": 4, "rounds": 1}
     full = {"contexts": [4096, 32768, 131072], "chunk": 2048, "steps": 32, "rounds": 3}
     for k, v in (tiny if args.tiny else full).items():
         if getattr(args, k) is None:

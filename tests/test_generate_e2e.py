@@ -1,7 +1,8 @@
 """The whole-model generation benchmark end to end, on CPU: `benchmarks/generate_e2e.py --tiny` runs
-as its own process (a 2-layer llama, a 96-token prompt, every row) and its report is checked: every
-row is there with positive timings, launches are counted as integers, the compressed rows hold fewer
-KV bytes than their path's FP16 row, ratios are against that row, and the markdown shows the JSON."""
+as its own process (a 2-layer llama, a 1024-token prompt, longer than any preset's FP16 window, every
+row) and its report is checked: every row is there with positive timings, launches are counted as
+integers, the compressed rows hold fewer KV bytes than their path's FP16 row, ratios are against that
+row, and the markdown shows the JSON."""
 
 import json
 import os
@@ -47,10 +48,10 @@ def tiny_run():
 def test_every_row_measured(tiny_run):
     res, _, _ = tiny_run
     meta = res["meta"]
-    assert meta["shape"] == "tiny" and meta["contexts"] == [96] and meta["rounds"] == 1
+    assert meta["shape"] == "tiny" and meta["contexts"] == [1024] and meta["rounds"] == 1
     assert meta["mlx"] and meta["mlx_lm"] and meta["device"] and "--tiny" in meta["command"]
     (ctx,) = res["contexts"]
-    assert ctx["context"] == 96 and tuple(ctx["rows"]) == ROWS
+    assert ctx["context"] == 1024 and tuple(ctx["rows"]) == ROWS
     for name, m in ctx["rows"].items():
         timings = ("prefill_tok_s", "decode_sync_ms", "decode_pipelined_ms")
         for key in (*timings, "prefill_peak_gb", "decode_peak_gb"):
@@ -80,7 +81,7 @@ def test_compressed_rows_against_their_fp16_row(tiny_run):
 def test_markdown_shows_the_json(tiny_run):
     res, md, stdout = tiny_run
     assert res["meta"]["command"] in md and f"mlx-lm {res['meta']['mlx_lm']}" in md
-    assert "## Context 96" in md and md in stdout
+    assert "## Context 1024" in md and md in stdout
     for name, m in res["contexts"][0]["rows"].items():
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {name} |"))
         cells = [c.strip() for c in line.split("|")[1:-1]]

@@ -327,7 +327,8 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit):
     from turbospark_mlx.attention import store_and_attend
 
     mx.random.seed(9)
-    config = get_preset(kv).with_(commit_rows=commit)
+    # A 128-row window (tq3 ships 512): positions 256-259 then read codes with either block size.
+    config = get_preset(kv).with_(window_rows=128, commit_rows=commit)
     fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
