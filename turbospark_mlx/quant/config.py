@@ -203,8 +203,8 @@ class TurboQuantConfig:
 # Rows are committed 64 at a time, so 63 decode steps in 64 write no codes: fewer graph nodes
 # per step (benchmarks/results/generate_e2e.md), and each row reads 128 to 191 FP16 positions.
 PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True, commit_rows=64)
-# tq3 keeps 512 positions in FP16: at 8k tokens on SmolLM2-135M its perplexity cost falls from
-# +2.9% (128) to +0.9%, for 11% more KV bytes there (benchmarks/results/quality.md).
+# tq3 keeps 512 positions in FP16: +0.9% to +2.1% perplexity at 8k tokens on SmolLM2-135M and
+# Gemma-3-270M, against +2.7% to +5.8% with 128 (benchmarks/results/quality.md).
 TQ3_WINDOW_ROWS = 512
 
 PRESETS: dict[str, TurboQuantConfig] = {
