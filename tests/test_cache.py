@@ -1,6 +1,7 @@
 """KVCacheManager: layout, chunked writes, bytes, trim, save/load and bad input."""
 
 import copy
+import re
 
 import mlx.core as mx
 import pytest
@@ -237,6 +238,27 @@ def test_trim_errors_leave_cache_unchanged(filled):
     assert filled.trim(8) == 8
 
 
+def test_preset_strings_turn_protection_off_and_change_fields():
+    plain = get_preset("tq4-plain")
+    assert plain == get_preset("tq4").plain() and not plain.is_protected and plain.name == "tq4-plain"
+    c = get_preset("k8v4:seed=1:sink_rows=0:center_keys=false")
+    assert (c.name, c.k_bits, c.v_bits, c.seed, c.sink_rows, c.center_keys, c.window_rows) == (
+        "k8v4:seed=1:sink_rows=0:center_keys=false", 8, 4, 1, 0, False, 128
+    )
+    assert get_preset("tq4-plain:k_bits=3").k_bits == 3 and get_preset("fp16-plain") == get_preset("fp16")
+    for text, message in [
+        ("tq5:seed=1", "unknown KV preset 'tq5'"),
+        ("tq4:foo=1", "'foo=1' is not field=value with a field from k_bits"),
+        ("tq4:window_rows", "'window_rows' is not field=value"),
+        ("tq4:window_rows=x", "window_rows='x' is not a valid value"),
+        ("tq4:center_keys=maybe", "center_keys='maybe' is not a valid value"),
+        ("tq4:window_rows=0", "needs window_rows >= 1"),  # centred keys without a window
+        ("tq4:k_bits=5", "k_bits=5 is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            get_preset(text)
+
+
 def test_bad_presets_and_layouts():
     with pytest.raises(ValueError, match="valid presets: fp16, tq4, tq3, tq2, k4v3, k8v4, k8v3"):
         get_preset("tq5")
@@ -316,8 +338,9 @@ def test_interrupted_save_leaves_the_file_as_it_was(tmp_path, monkeypatch):
 
 
 def test_a_preset_measured_to_lose_quality_warns():
-    """tq2 (measured in benchmarks/results/quality.md) warns when a cache is built with it, the
-    mlx-lm drop-in included; other presets and a changed tq2 do not."""
+    """tq2 (measured in benchmarks/results/quality.md) warns when a cache is built with it or a
+    string variant with its bits, the mlx-lm drop-in included; other presets, other bits and a
+    config derived in Python do not."""
     import warnings
 
     from turbospark_mlx.quant.config import QUALITY_WARNINGS
@@ -325,7 +348,11 @@ def test_a_preset_measured_to_lose_quality_warns():
     assert set(QUALITY_WARNINGS) <= set(PRESETS)
     with pytest.warns(UserWarning, match="KV preset 'tq2': .*quality.md"):
         KVCacheManager([LayerSpec(2, 64)], "tq2")
+    for variant in ("tq2-plain", "tq2:seed=1"):
+        with pytest.warns(UserWarning, match=f"KV preset '{variant}': "):
+            KVCacheManager([LayerSpec(2, 64)], variant)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         KVCacheManager([LayerSpec(2, 64)], "k8v4")
+        KVCacheManager([LayerSpec(2, 64)], "tq2:k_bits=3")
         KVCacheManager([LayerSpec(2, 64)], PRESETS["tq2"].with_(window_rows=256))

