@@ -25,6 +25,7 @@ from .rotation import ROTATION_KINDS
 FP16_BITS = 16
 QUANT_BITS = (2, 3, 4, 8)
 NORM_BYTES = 4
+PLAIN_SUFFIX = "-plain"  # a preset's name with its protection off (TurboQuantConfig.plain)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class TurboQuantConfig:
         if self.is_fp16:
             return self
         return self.with_(
-            name=f"{self.name}-plain", window_rows=0, sink_rows=0, center_keys=False, commit_rows=1
+            name=f"{self.name}{PLAIN_SUFFIX}", window_rows=0, sink_rows=0, center_keys=False, commit_rows=1
         )
 
     def to_json(self) -> str:
@@ -239,10 +240,15 @@ QUALITY_WARNINGS = {
 def warn_quality(config: TurboQuantConfig, stacklevel: int = 3) -> None:
     """A UserWarning when `config` is a shipped preset measured to lose quality, or a variant of
     one with its bits (`tq2:seed=1`, `tq2-plain`)."""
-    base = config.name.split(":")[0].removesuffix(PLAIN_SUFFIX)
+    base = _base_name(config.name)
     note = QUALITY_WARNINGS.get(base)
     if note is not None and (config.k_bits, config.v_bits) == (PRESETS[base].k_bits, PRESETS[base].v_bits):
         warnings.warn(f"KV preset {config.name!r}: {note}", UserWarning, stacklevel=stacklevel)
+
+
+def _base_name(text: str) -> str:
+    """The PRESETS name a preset string starts from: `tq2` of `tq2-plain:seed=1`."""
+    return text.split(":")[0].removesuffix(PLAIN_SUFFIX)
 
 
 def _flag(text: str) -> bool:
@@ -258,7 +264,6 @@ PRESET_FIELDS = {
     "k_bits": int, "v_bits": int, "seed": int, "window_rows": int, "sink_rows": int, "commit_rows": int,
     "fp16_first": int, "fp16_last": int, "center_keys": _flag, "rotation": str,
 }  # fmt: skip
-PLAIN_SUFFIX = "-plain"
 
 
 def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
@@ -272,7 +277,7 @@ def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
     if not isinstance(kv, str):
         raise ValueError(f"a KV preset is a name or a TurboQuantConfig, got {type(kv).__name__}")
     base, *changes = kv.split(":")
-    name = base[: -len(PLAIN_SUFFIX)] if base.endswith(PLAIN_SUFFIX) else base
+    name = _base_name(base)
     if name not in PRESETS:
         raise ValueError(
             f"unknown KV preset {name!r}; valid presets: {', '.join(PRESETS)} "
