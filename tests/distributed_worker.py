@@ -85,7 +85,7 @@ CASES = [
     ("mlx_lm", "llama", "tq4"),
     ("mlx_lm", "llama", "k8v4"),
 ]
-PROMPT = 200  # > window_rows + sink_rows (132): the oldest rows are stored as codes
+PROMPT = 340  # > window_rows + sink_rows + commit_rows (324 for tq4): the oldest rows are stored as codes
 NEW_TOKENS = 12
 CHUNK = 64  # prefill rows per forward pass: inner chunks evaluate only the cache
 

@@ -88,7 +88,7 @@ def test_trim_then_rewrite_reads_as_before(tmp_path):
 
 def test_choices_and_errors():
     spec = [LayerSpec(HKV, D), LayerSpec(HKV, D, window=8)]
-    # A window of 128 FP16 rows holds all that max_kv_size=100 keeps: no codes at all.
+    # tq4's window of 256 FP16 rows holds all that max_kv_size=100 keeps: no codes at all.
     small = KVCacheManager(spec, "tq4", max_kv_size=100)
     assert small.layer_quant(0) is None and small.layer_keep(0) == 96
     # A sliding layer narrower than the bound keeps its own window and no sink rows.

@@ -313,26 +313,29 @@ def test_protected_layers_match_reference(d, kv, max_kv_size, commit):
 
 
 @pytest.mark.skipif(BACKEND != "cuda", reason="the tensor-core decode kernel is CUDA-only")
+@pytest.mark.parametrize("window", [128, 256])
 @pytest.mark.parametrize("commit", [1, 64])
 @pytest.mark.parametrize("kv,batch,d", [("tq4", 1, 128), ("k8v4", 2, 64), ("tq3", 1, 128)])
-def test_protected_decode_step_is_one_launch(kv, batch, d, commit):
+def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window):
     """A decode step of a protected layer on CUDA (`store_and_attend`, ProtectedStep): the
     tensor-core kernel, which reads the codes and the FP16 rows, and `tq_commit` on a step that
     completes a commit block; nothing else. Output and every cache array equal the general
     path's (store_kv + attention_any) bit for bit, a second run of the same step is identical,
-    and it matches the reference. With blocks of 64 the four steps from position 256 end with a
-    commit (positions 196-259 leave the FP16 rows)."""
+    and it matches the reference. The prompt is the window and 128 positions more; with blocks
+    of 64 the four steps after it end with a commit (a 128-row window: positions 196-259 leave
+    the FP16 rows)."""
     import copy
 
     from turbospark_mlx.attention import store_and_attend
 
     mx.random.seed(9)
-    # A 128-row window (tq3 ships 512): positions 256-259 then read codes with either block size.
-    config = get_preset(kv).with_(window_rows=128, commit_rows=commit)
+    # Windows of 128 rows (k8v4's) and 256 (tq4's; tq3 ships 512): the four steps read codes
+    # with either block size.
+    config = get_preset(kv).with_(window_rows=window, commit_rows=commit)
     fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
-    for m in (64, 64, 64, 64):
+    for m in [64] * ((window + 128) // 64):
         k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
         v = mx.random.normal((batch, 2, m, d)).astype(mx.float16)
         with use_backend(BACKEND):
