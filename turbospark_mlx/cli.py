@@ -539,7 +539,7 @@ def _add_eval_parser(sub) -> None:
         "--kv",
         default=EVAL_KV,
         help=f"comma-separated presets from {', '.join(PRESETS)}, each also as NAME-plain (no FP16 "
-        f"window, sinks or key centring) or NAME:field=value (e.g. tq4:window_rows=256); fp16, the "
+        f"window, sinks or key centring) or NAME:field=value (e.g. tq4:window_rows=512); fp16, the "
         f"reference, always runs (default {EVAL_KV})",
     )
     e.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: the GPL-3 in /usr/share)")
@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv",
         default=None,
         help=f"KV cache preset: {', '.join(PRESETS)}, or NAME-plain, or NAME:field=value "
-        f"(e.g. tq4:window_rows=256) (default {DEFAULT_KV})",
+        f"(e.g. tq4:window_rows=512) (default {DEFAULT_KV})",
     )
     common = argparse.ArgumentParser(add_help=False, parents=[model])
     common.add_argument("-m", "--max-tokens", type=int, default=100, help="most tokens to generate (default %(default)s)")

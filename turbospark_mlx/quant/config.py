@@ -273,7 +273,7 @@ PRESET_FIELDS = {
 def get_preset(kv: "str | TurboQuantConfig") -> TurboQuantConfig:
     """Resolve a preset (a config passes through). A string is a name from PRESETS, optionally
     with `-plain` (the protection off: `TurboQuantConfig.plain`), then any number of
-    `:field=value` changes (`PRESET_FIELDS`): `tq4`, `tq4-plain`, `tq4:window_rows=256`,
+    `:field=value` changes (`PRESET_FIELDS`): `tq4`, `tq4-plain`, `tq4:window_rows=512`,
     `k8v4:seed=1:sink_rows=0`. The config is named by the string. Errors name what is wrong
     and the valid choices."""
     if isinstance(kv, TurboQuantConfig):
