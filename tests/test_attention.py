@@ -198,6 +198,42 @@ def test_store_and_attend_equals_store_then_attend(kv):
     assert one.layer_offset(0) == pos and not one.stage.pending
 
 
+def test_growing_fp16_step_equals_store_then_attend():
+    """A growing FP16 layer's prepared step (`GrowingStep`) writes and attends as store_kv +
+    attention_any do: bfloat16 rows into float16 storage, across storage growth, with a start,
+    one-token steps and chunks, two sequences; a call the general path refuses (a position that
+    is not the next one, rows past max_context) raises its error and changes nothing."""
+    import copy
+
+    from turbospark_mlx import store_and_attend
+    from turbospark_mlx.attention import GrowingStep
+
+    one = KVCacheManager([LayerSpec(2, 32)], "fp16", batch_size=2, max_rows=16, max_context=40, step=8)
+    two = copy.deepcopy(one)
+    pos = 0
+    for m in (5, 1, 1, 9, 1, 16, 1):  # growth at 8, 16, 24 and 40 positions
+        k, v = (x.astype(mx.bfloat16) for x in random_kv(2, 2, m, 32))
+        q = mx.random.normal((2, 6, m, 32)).astype(mx.bfloat16)
+        start = min(3, pos)
+        got = store_and_attend(one, 0, q, k, v, pos, scale=0.2, kv_start=start)
+        store_kv(two, 0, pos, k, v)
+        want = attention_any(two, 0, q, pos, scale=0.2, kv_start=start)
+        assert isinstance(one._layers[0].step_plan[1], GrowingStep)
+        assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+        pos += m
+    for name, a in two.layer_arrays(0).items():
+        assert a.dtype == mx.float16 and mx.array_equal(one.layer_arrays(0)[name], a).item()
+    before = {n: mx.array(a) for n, a in one.layer_arrays(0).items()}
+    k, v = random_kv(2, 2, 1, 32)
+    with pytest.raises(ValueError, match="write at position 33, but the layer's next position is 34"):
+        store_and_attend(one, 0, mx.zeros((2, 6, 1, 32)), k, v, pos - 1)
+    k, v = random_kv(2, 2, 7, 32)
+    with pytest.raises(ValueError, match="positions up to 41 exceed max_context=40"):
+        store_and_attend(one, 0, mx.zeros((2, 6, 7, 32)), k, v, pos)
+    assert one.layer_offset(0) == pos
+    assert all(mx.array_equal(before[n], a).item() for n, a in one.layer_arrays(0).items())
+
+
 @pytest.mark.parametrize("kv", ["tq4", "plain-tq4"])
 def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
     """Where MLX has no fused attention for the shape (its CPU backend has none), a prefill
