@@ -527,10 +527,14 @@ class GrowingStep:
         k, v = a["keys"][:, :, kv_start:end], a["values"][:, :, kv_start:end]
         if k.dtype != queries.dtype:
             k, v = k.astype(queries.dtype), v.astype(queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=self.scale, mask=self.mask, sinks=sinks)
+        return mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=self.scale, mask=self.mask, sinks=sinks
+        )
 
 
-def _growing_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start) -> GrowingStep | None:
+def _growing_step(
+    cache, layer, queries, keys, values, position, scale, sinks, kv_start
+) -> GrowingStep | None:
     """The GrowingStep for this call, or None where the general path serves it: another layer
     kind, per-sequence starts, rows that do not match the layer (the general path names the
     problem), a position, start or context limit the general path refuses, a half-done write."""
