@@ -230,6 +230,9 @@ def test_growing_fp16_step_equals_store_then_attend():
     k, v = random_kv(2, 2, 7, 32)
     with pytest.raises(ValueError, match="positions up to 41 exceed max_context=40"):
         store_and_attend(one, 0, mx.zeros((2, 6, 7, 32)), k, v, pos)
+    k, v = random_kv(2, 2, 1, 32)
+    with pytest.raises(ValueError, match="queries must be a 4-D mx.array"):
+        store_and_attend(one, 0, [[0.0]], k, v, pos)
     assert one.layer_offset(0) == pos
     assert all(mx.array_equal(before[n], a).item() for n, a in one.layer_arrays(0).items())
 

@@ -101,6 +101,7 @@ def store_and_attend(
         step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is not None:
         return step(cache, layer, queries, keys, values, position, kv_start, sinks)
+    _check_queries(cache, layer, queries, sinks)  # before the write: bad queries leave the cache as it was
     store_kv(cache, layer, position, keys, values)
     return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks, kv_start=kv_start)
 
@@ -506,7 +507,7 @@ class GrowingStep:
     re-checks what moves. (Through the general path the own llama's FP16 decode step took ~1.4x
     the host time of mlx-lm's; docs/decode_kernels.md, "Inside the whole model".)"""
 
-    def __init__(self, cache: KVCacheManager, queries: mx.array, scale: float) -> None:
+    def __init__(self, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
         self.dtype, self.rows = cache.dtype, queries.shape[2]
         self.scale = queries.shape[3] ** -0.5 if scale is None else scale
         self.mask = None if self.rows == 1 else "causal"
@@ -542,6 +543,8 @@ def _growing_step(
     if l is None or l.quant is not None or l.ring_capacity is not None or cache.stage.pending:
         return None
     if not isinstance(kv_start, int) or not 0 <= kv_start <= position or position != l.offset:
+        return None
+    if not all(isinstance(x, mx.array) for x in (queries, keys, values)):
         return None
     sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
            sinks is None)  # fmt: skip
