@@ -202,7 +202,8 @@ def test_growing_fp16_step_equals_store_then_attend():
     """A growing FP16 layer's prepared step (`GrowingStep`) writes and attends as store_kv +
     attention_any do: bfloat16 rows into float16 storage, across storage growth, with a start,
     one-token steps and chunks, two sequences; a call the general path refuses (a position that
-    is not the next one, rows past max_context) raises its error and changes nothing."""
+    is not the next one, rows past max_context, bad queries, a start past the rows) raises its
+    error and changes nothing."""
     import copy
 
     from turbospark_mlx import store_and_attend
@@ -233,6 +234,8 @@ def test_growing_fp16_step_equals_store_then_attend():
     k, v = random_kv(2, 2, 1, 32)
     with pytest.raises(ValueError, match="queries must be a 4-D mx.array"):
         store_and_attend(one, 0, [[0.0]], k, v, pos)
+    with pytest.raises(ValueError, match="kv_start 35 is past the first query position 34"):
+        store_and_attend(one, 0, mx.zeros((2, 6, 1, 32)), k, v, pos, kv_start=pos + 1)
     assert one.layer_offset(0) == pos
     assert all(mx.array_equal(before[n], a).item() for n, a in one.layer_arrays(0).items())
 

@@ -101,9 +101,11 @@ def store_and_attend(
         step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is not None:
         return step(cache, layer, queries, keys, values, position, kv_start, sinks)
-    _check_queries(cache, layer, queries, sinks)  # before the write: bad queries leave the cache as it was
+    # Queries and start are checked before the write, so a bad call leaves the cache as it was.
+    _check_queries(cache, layer, queries, sinks)
+    _check_start(layer, kv_start, position)
     store_kv(cache, layer, position, keys, values)
-    return attention_any(cache, layer, queries, position, scale=scale, sinks=sinks, kv_start=kv_start)
+    return _attend(cache, layer, queries, position, scale, sinks, kv_start)
 
 
 def attention_any(
@@ -131,20 +133,29 @@ def attention_any(
     Returns:
         (B, Hq, M, D) in the queries' dtype.
     """
-    spec = cache.specs[cache.owner(layer)]
     _check_queries(cache, layer, queries, sinks)
-    B, Hq, M, D = queries.shape
-    committed = cache.layer_offset(layer)
     if position is None:
-        position = committed - M
-    if position < 0 or position + M > committed:
-        raise ValueError(
-            f"layer {layer}: queries at positions [{position}, {position + M}) but only {committed} are committed"
-        )
+        position = cache.layer_offset(layer) - queries.shape[2]
+    _check_start(layer, kv_start, position)
+    return _attend(cache, layer, queries, position, scale, sinks, kv_start)
+
+
+def _check_start(layer: int, kv_start: int | mx.array, position: int) -> None:
     # Read the start(s) on the host: an mx reduction + .item() here would cost a GPU sync per layer.
     latest_start = kv_start if isinstance(kv_start, int) else int(np.asarray(kv_start).max())
     if latest_start > position:
         raise ValueError(f"layer {layer}: kv_start {kv_start} is past the first query position {position}")
+
+
+def _attend(cache, layer, queries, position, scale, sinks, kv_start) -> mx.array:
+    """`attention_any` once the queries and the start are checked."""
+    spec = cache.specs[cache.owner(layer)]
+    B, Hq, M, D = queries.shape
+    committed = cache.layer_offset(layer)
+    if position < 0 or position + M > committed:
+        raise ValueError(
+            f"layer {layer}: queries at positions [{position}, {position + M}) but only {committed} are committed"
+        )
     scale = D**-0.5 if scale is None else scale
     end = position + M
     arrays = cache.layer_arrays(layer)
@@ -544,7 +555,7 @@ def _growing_step(
         return None
     if not isinstance(kv_start, int) or not 0 <= kv_start <= position or position != l.offset:
         return None
-    if not all(isinstance(x, mx.array) for x in (queries, keys, values)):
+    if not (isinstance(queries, mx.array) and isinstance(keys, mx.array) and isinstance(values, mx.array)):
         return None
     sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
            sinks is None)  # fmt: skip
