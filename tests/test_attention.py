@@ -240,6 +240,58 @@ def test_growing_fp16_step_equals_store_then_attend():
     assert all(mx.array_equal(before[n], a).item() for n, a in one.layer_arrays(0).items())
 
 
+def test_sliding_ring_step_equals_store_then_attend():
+    """A sliding-window FP16 ring's prepared decode step (`RingStep`) writes and attends as
+    store_kv + attention_any do, over the window's slots alone: while the ring grows, once it
+    wraps (the window in one slice and in two), with a start, with sink logits, around prefill
+    chunks (which take the general path); a refused call changes nothing. A bounded ring with
+    sink rows keeps the general path."""
+    import copy
+
+    from turbospark_mlx import store_and_attend
+    from turbospark_mlx.attention import RingStep
+
+    W, max_rows = 6, 4  # ring capacity W + max_rows - 1 = 9 slots
+    one = KVCacheManager([LayerSpec(2, 32, window=W)], "fp16", max_rows=max_rows, step=4)
+    two = copy.deepcopy(one)
+    sinks = mx.random.normal((4,)).astype(mx.bfloat16)
+    pos = 0
+    for m in [3] + [1] * 12 + [4] + [1] * 9:
+        k, v = (x.astype(mx.bfloat16) for x in random_kv(1, 2, m, 32))
+        q = mx.random.normal((1, 4, m, 32)).astype(mx.bfloat16)
+        start, sk = (min(2, pos) if pos < 8 else 0), (sinks if pos % 2 else None)
+        got = store_and_attend(one, 0, q, k, v, pos, scale=0.3, sinks=sk, kv_start=start)
+        store_kv(two, 0, pos, k, v)
+        want = attention_any(two, 0, q, pos, scale=0.3, sinks=sk, kv_start=start)
+        assert isinstance(one._layers[0].step_plan[1], RingStep) == (m == 1)
+        assert got.dtype == mx.bfloat16
+        assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2, pos
+        pos += m
+    for name, a in two.layer_arrays(0).items():
+        assert mx.array_equal(one.layer_arrays(0)[name], a).item()
+    # The window read by the step, against the oracle in float32: the last W positions.
+    q = mx.random.normal((1, 4, 1, 32))
+    k, v = random_kv(1, 2, 1, 32)
+    got = store_and_attend(one, 0, q, k, v, pos, scale=0.3)
+    ring = one.layer_arrays(0)
+    slots = [p % 9 for p in range(pos + 1 - W, pos + 1)]
+    keys, values = (mx.take(ring[n], mx.array(slots), axis=2).astype(mx.float32) for n in ("keys", "values"))
+    want = fp16_attention_ref(q, keys, values, scale=0.3)
+    assert mx.abs(got - want).max().item() < 1e-5
+    pos += 1
+    before = {n: mx.array(a) for n, a in ring.items()}
+    with pytest.raises(ValueError, match=f"write at position {pos - 1}, but the layer's next position is {pos}"):
+        store_and_attend(one, 0, q, k, v, pos - 1)
+    with pytest.raises(ValueError, match=f"kv_start {pos + 1} is past the first query position {pos}"):
+        store_and_attend(one, 0, q, k, v, pos, kv_start=pos + 1)
+    assert one.layer_offset(0) == pos
+    assert all(mx.array_equal(before[n], a).item() for n, a in one.layer_arrays(0).items())
+
+    bounded = KVCacheManager([LayerSpec(2, 32)], "fp16", max_rows=max_rows, max_kv_size=8)
+    store_and_attend(bounded, 0, q, k, v, 0)
+    assert bounded._layers[0].sink_rows and bounded._layers[0].step_plan is None
+
+
 @pytest.mark.parametrize("kv", ["tq4", "plain-tq4"])
 def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
     """Where MLX has no fused attention for the shape (its CPU backend has none), a prefill

@@ -92,11 +92,12 @@ def store_and_attend(
 ) -> mx.array:
     """Write M rows of keys and values at `position`, commit them, and attend with M query rows
     at the same positions: `store_kv` then `attention_any`, the write path of one attention
-    block. Two layer kinds take a step prepared once per call shape instead, with the same
+    block. Three layer kinds take a step prepared once per call shape instead, with the same
     result and less host work per call: a growing FP16 layer (`GrowingStep`: two slice updates
-    and MLX's fused attention, as mlx-lm's KVCache), and a protected layer's decode step on CUDA
-    (`ProtectedStep`: one launch, two on a commit step)."""
-    step = _growing_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
+    and MLX's fused attention, as mlx-lm's KVCache), a sliding-window FP16 ring's decode step
+    (`RingStep`: the same over the window's slots, as mlx-lm's RotatingKVCache), and a protected
+    layer's decode step on CUDA (`ProtectedStep`: one launch, two on a commit step)."""
+    step = _fp16_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is None:
         step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is not None:
@@ -514,7 +515,7 @@ class GrowingStep:
     """M rows of a growing FP16 layer for one call shape, as `store_kv` + `attention_any` compute
     them: the rows go into their slots (two slice updates; storage grows in whole steps) and the
     queries attend over positions [kv_start, end) with MLX's fused attention, causal inside the
-    rows, which is mlx-lm's KVCache step. `_growing_step` checked the shape once; a call only
+    rows, which is mlx-lm's KVCache step. `_fp16_step` checked the shape once; a call only
     re-checks what moves. (Through the general path the own llama's FP16 decode step took ~1.4x
     the host time of mlx-lm's; docs/decode_kernels.md, "Inside the whole model".)"""
 
@@ -544,14 +545,54 @@ class GrowingStep:
         )
 
 
-def _growing_step(
+class RingStep:
+    """One row of a sliding-window FP16 ring (no sink rows) for one call shape, as `store_kv` +
+    `attention_any` compute it: the row goes into slot position % capacity and the query attends
+    over the window's positions [max(kv_start, t - keep + 1), t] with MLX's fused attention and
+    no mask, which is mlx-lm's RotatingKVCache step. The window's slots are one slice, or two
+    joined where they wrap; the ring's other max_rows - 1 slots (kept for prefill chunks) are not
+    read. Through the general path a step builds the ring's slot positions and a mask over every
+    slot, and takes MLX's masked attention."""
+
+    def __init__(self, l, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
+        self.dtype, self.rows = cache.dtype, 1
+        self.scale = queries.shape[3] ** -0.5 if scale is None else scale
+        self.R, self.keep = l.ring_capacity, l.keep
+
+    def __deepcopy__(self, memo) -> "RingStep":
+        return self  # never changed by a call
+
+    def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
+        l, R = cache._layers[layer], self.R
+        if position >= l.capacity and l.capacity < R:
+            cache._reserve(l, position + 1)
+        a = l.arrays
+        if keys.dtype != self.dtype:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        s = position % R
+        a["keys"][:, :, s : s + 1] = keys
+        a["values"][:, :, s : s + 1] = values
+        l.offset = position + 1
+        s0 = max(kv_start, position + 1 - self.keep) % R  # the oldest position read, its slot
+        if s0 <= s:
+            k, v = a["keys"][:, :, s0 : s + 1], a["values"][:, :, s0 : s + 1]
+        else:  # the window wraps: slots [0, s] and [s0, R), in slot order as the general path reads them
+            k = mx.concatenate([a["keys"][:, :, : s + 1], a["keys"][:, :, s0:]], axis=2)
+            v = mx.concatenate([a["values"][:, :, : s + 1], a["values"][:, :, s0:]], axis=2)
+        if k.dtype != queries.dtype:
+            k, v = k.astype(queries.dtype), v.astype(queries.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=self.scale, sinks=sinks)
+
+
+def _fp16_step(
     cache, layer, queries, keys, values, position, scale, sinks, kv_start
-) -> GrowingStep | None:
-    """The GrowingStep for this call, or None where the general path serves it: another layer
-    kind, per-sequence starts, rows that do not match the layer (the general path names the
-    problem), a position, start or context limit the general path refuses, a half-done write."""
+) -> GrowingStep | RingStep | None:
+    """The GrowingStep or RingStep for this call, or None where the general path serves it:
+    another layer kind (a ring with sink rows among them), per-sequence starts, rows that do not
+    match the layer (the general path names the problem), a position, start or context limit
+    the general path refuses, a half-done write, more than one row on a ring."""
     l = cache._layers.get(layer)
-    if l is None or l.quant is not None or l.ring_capacity is not None or cache.stage.pending:
+    if l is None or l.quant is not None or l.sink_rows or cache.stage.pending:
         return None
     if not isinstance(kv_start, int) or not 0 <= kv_start <= position or position != l.offset:
         return None
@@ -569,9 +610,17 @@ def _growing_step(
             and all(x.dtype in _FLOATS for x in (queries, keys, values))
             and (sinks is None or sinks.shape == (qs[1],))
         )  # fmt: skip
-        plan = l.step_plan = (sig, GrowingStep(cache, queries, scale) if ok else None)
+        if not ok:
+            step = None
+        elif l.ring_capacity is None:
+            step = GrowingStep(cache, queries, scale)
+        else:  # a chunk on a ring needs a mask (its rows see different windows): the general path
+            step = RingStep(l, cache, queries, scale) if M == 1 else None
+        plan = l.step_plan = (sig, step)
     step = plan[1]
-    if step is None or (cache.max_context is not None and position + step.rows > cache.max_context):
+    if step is None:
+        return None
+    if l.ring_capacity is None and cache.max_context is not None and position + step.rows > cache.max_context:
         return None
     return step
 
