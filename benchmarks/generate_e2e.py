@@ -3,6 +3,9 @@
 One process, one random-weight model (hidden 4096, 32 layers, 32 query / 8 KV heads, head_dim 128,
 vocab 128256, bf16 weights quantized to 4 bits, group 64), built with mlx-lm's llama; the package's
 own llama (`turbospark_mlx.models.llama`) gets the same parameter arrays (nothing is copied).
+`--family gemma3`: a Gemma-3-1B-shaped model instead (hidden 1152, 26 layers, five of six sliding
+with a 512-row window, 4 query / 1 KV heads, head_dim 256, vocab 262144), mlx-lm's gemma3_text and
+`turbospark_mlx.models.gemma3_text`; its sliding layers are FP16 rings in every row.
 Rows: `mlx-lm fp16` (mlx-lm's KVCache), `mlx-lm tq4` / `k8v4` / `tq3` (turbospark_mlx.mlx_lm's
 drop-in cache), `own fp16` / `own tq4` (a KVCacheManager on the own model). Per context and row:
   * prefill: `context` random tokens in `--chunk`-token chunks, the cache evaluated after each
@@ -19,9 +22,10 @@ Peak memory is a row's own: MLX's peak less the active memory other rows' live c
 the row would peak at alone: weights + its cache + transients). `--one-at-a-time` frees each
 row's cache after its rounds (decode rounds are then not interleaved across rows).
 Each row is warmed up first (a chunk of prefill and a few decode steps on a throwaway cache).
-Writes benchmarks/results/generate_e2e.json and .md.
+Writes benchmarks/results/generate_e2e.json and .md (generate_e2e_gemma3.* with --family gemma3).
 
     python benchmarks/generate_e2e.py                  # on the GPU machine
+    python benchmarks/generate_e2e.py --family gemma3  # the Gemma-3-1B shape
     python benchmarks/generate_e2e.py --tiny           # a tiny model on a CPU in seconds: checks the script
 """
 
@@ -45,6 +49,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models import cache as mlx_lm_cache
+from mlx_lm.models import gemma3_text as mlx_lm_gemma3
 from mlx_lm.models import llama as mlx_lm_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -53,6 +58,7 @@ from turbospark_mlx import KVCacheManager, get_preset, make_cache  # noqa: E402
 from turbospark_mlx.gpu.backend import auto_backend  # noqa: E402
 from turbospark_mlx.gpu.build import LAUNCHES  # noqa: E402
 from turbospark_mlx.mlx_lm import make_prompt_cache  # noqa: E402
+from turbospark_mlx.models import gemma3_text as own_gemma3  # noqa: E402
 from turbospark_mlx.models import llama as own_llama  # noqa: E402
 
 T = TypeVar("T")
@@ -69,28 +75,40 @@ ROWS = {
     # tq4 without its FP16 window, sink rows and key centring: what the protection costs.
     "own tq4-plain": ("own", get_preset("tq4").plain()),
 }
-COMMON = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-SHAPES = {  # hidden, layers, intermediate, query heads, KV heads, head_dim, vocab
-    "8B": (4096, 32, 14336, 32, 8, 128, 128256),
-    "tiny": (128, 2, 256, 4, 2, 32, 512),
-}
+LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+GEMMA3 = dict(model_type="gemma3_text", sliding_window_pattern=6, query_pre_attn_scalar=256)
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "head_dim", "vocab_size")  # fmt: skip
+# Family -> (mlx-lm module, own module, shape name -> config), full shape first, then --tiny's.
+FAMILIES = {
+    "llama": (mlx_lm_llama, own_llama, {
+        "8B": {**LLAMA, **dict(zip(SHAPE_KEYS, (4096, 32, 14336, 32, 8, 128, 128256)))},
+        "tiny": {**LLAMA, **dict(zip(SHAPE_KEYS, (128, 2, 256, 4, 2, 32, 512)))},
+    }),
+    "gemma3": (mlx_lm_gemma3, own_gemma3, {
+        "1B": {**GEMMA3, "sliding_window": 512, **dict(zip(SHAPE_KEYS, (1152, 26, 6912, 4, 1, 256, 262144)))},
+        "tiny": {**GEMMA3, "sliding_window": 64, "sliding_window_pattern": 3,
+                        **dict(zip(SHAPE_KEYS, (128, 3, 256, 4, 1, 64, 512)))},
+    }),
+}  # fmt: skip
 # Metrics given as a ratio to the same path's FP16 row.
 RATIO_KEYS = ("prefill_tok_s", "prefill_peak_gb", "decode_sync_ms", "decode_pipelined_ms", "host_build_ms",
               "decode_peak_gb", "kv_bytes")  # fmt: skip
 
 
-def build_models(shape: str) -> dict[str, nn.Module]:
-    """mlx-lm's llama (bf16, 4-bit weights) and the own llama sharing its parameter arrays."""
-    config = {**COMMON, **dict(zip(SHAPE_KEYS, SHAPES[shape]))}
-    mlx_model = mlx_lm_llama.Model(mlx_lm_llama.ModelArgs(**config))
+def build_models(family: str, shape: str) -> dict[str, nn.Module]:
+    """mlx-lm's model of the family (bf16, 4-bit weights) and the own model sharing its parameter
+    arrays."""
+    ref, mine, shapes = FAMILIES[family]
+    config = shapes[shape]
+    mlx_model = ref.Model(ref.ModelArgs.from_dict(config))
     mlx_model.set_dtype(mx.bfloat16)
     nn.quantize(mlx_model, group_size=64, bits=4)
     mx.eval(mlx_model.parameters())
-    own = own_llama.Model(own_llama.ModelArgs(**config))
+    own = mine.Model(mine.ModelArgs.from_dict(config))
+    params = own.sanitize(dict(tree_flatten(mlx_model.parameters())))  # gemma3: drops the tied head
     nn.quantize(own, group_size=64, bits=4)  # same module tree; its own (lazy) weights are never evaluated
-    own.load_weights(tree_flatten(mlx_model.parameters()), strict=True)  # names and shapes checked
+    own.load_weights(list(params.items()), strict=True)  # names and shapes checked
     return {"mlx-lm": mlx_model, "own": own}
 
 
@@ -227,7 +245,7 @@ def warm_up(models: dict[str, nn.Module], row: str, chunk: int) -> None:
 
 def markdown(meta: dict, contexts: list[dict]) -> str:
     lines = [
-        f"# Whole-model generation, {meta['shape']} llama (random 4-bit weights, bf16)",
+        f"# Whole-model generation, {meta['shape']} {meta['family']} (random 4-bit weights, bf16)",
         "",
         f"Machine: {meta['machine']}; device {meta['device']}; MLX {meta['mlx']}; mlx-lm {meta['mlx_lm']}; "
         f"backend {meta['backend']}; {meta['date']}.",
@@ -267,8 +285,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="decode steps per measurement (default 64; --tiny 4)")
     ap.add_argument("--rounds", type=int, help="paired decode rounds (default 5; --tiny 1)")
     ap.add_argument("--one-at-a-time", action="store_true", help="free each row's cache after its rounds")
+    ap.add_argument("--family", choices=list(FAMILIES), default="llama", help="the model (default llama, 8B)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, seconds on a CPU; to a temp dir")
-    ap.add_argument("--out", help="path stem of STEM.json / .md (default benchmarks/results/generate_e2e)")
+    ap.add_argument("--out", help="path stem of STEM.json / .md (default benchmarks/results/generate_e2e, "
+                    "generate_e2e_gemma3 with --family gemma3)")  # fmt: skip
     args = ap.parse_args()
     tiny = {"contexts": [1024], "chunk": 32, "steps": 4, "rounds": 1}
     # 5 rounds of 64 steps: with 3 of 32, two runs of the same code on H100s differed by up to 0.15
@@ -279,14 +299,16 @@ def main() -> None:
             setattr(args, k, v)
     if args.steps < 2 or args.rounds < 1 or args.chunk < 1:
         ap.error("--steps must be >= 2, --rounds and --chunk >= 1")
-    real = Path(__file__).resolve().parent / "results" / "generate_e2e"
-    if args.tiny and args.out and Path(args.out).resolve() == real:
+    results = Path(__file__).resolve().parent / "results"
+    real = results / ("generate_e2e" if args.family == "llama" else f"generate_e2e_{args.family}")
+    if args.tiny and args.out and Path(args.out).resolve().parent == results:
         ap.error("--tiny never replaces benchmarks/results")
 
-    shape = "tiny" if args.tiny else "8B"
-    models = build_models(shape)
+    shape = list(FAMILIES[args.family][2])[1 if args.tiny else 0]
+    models = build_models(args.family, shape)
     mx.synchronize()
     meta = {
+        "family": args.family,
         "shape": shape,
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
         "device": mx.device_info().get("device_name", str(mx.default_device())),

@@ -23,12 +23,11 @@ pytestmark = pytest.mark.skipif(
 ROWS = ("mlx-lm fp16", "mlx-lm tq4", "mlx-lm k8v4", "mlx-lm tq3", "own fp16", "own tq4", "own tq4-plain")
 
 
-@pytest.fixture(scope="module")
-def tiny_run():
+def _tiny(*extra: str):
     """One `--tiny` run without --out: it must write to a temp dir, never to benchmarks/results."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--tiny"],
+        [sys.executable, str(BENCH), "--tiny", *extra],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=path),
         capture_output=True,
@@ -43,6 +42,11 @@ def tiny_run():
         yield res, stem.with_suffix(".md").read_text(), run.stdout
     finally:
         shutil.rmtree(stem.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    yield from _tiny()
 
 
 def test_every_row_measured(tiny_run):
@@ -87,3 +91,18 @@ def test_markdown_shows_the_json(tiny_run):
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert cells[3] == f"{m['decode_sync_ms']:.2f} ({m['vs_fp16']['decode_sync_ms']:.2f}x)"
         assert cells[-1] == str(m["launches_per_step"])
+
+
+def test_gemma3_family_rows():
+    """`--family gemma3`: mlx-lm's gemma3_text and the own one on the same weights (loaded with
+    strict=True), sliding rings in every row; every row measured, and the compressed rows hold
+    fewer KV bytes than their path's FP16 row."""
+    for res, md, _ in _tiny("--family", "gemma3"):
+        meta = res["meta"]
+        assert (meta["family"], meta["shape"]) == ("gemma3", "tiny") and "tiny gemma3" in md
+        rows = res["contexts"][0]["rows"]
+        assert tuple(rows) == ROWS
+        for name, m in rows.items():
+            assert m["decode_sync_ms"] > 0 and m["prefill_tok_s"] > 0, name
+            if not name.endswith("fp16"):
+                assert m["kv_bytes"] < rows[f"{name.split()[0]} fp16"]["kv_bytes"], name
