@@ -88,7 +88,7 @@ FAMILIES = {
     "gemma3": (mlx_lm_gemma3, own_gemma3, {
         "1B": {**GEMMA3, "sliding_window": 512, **dict(zip(SHAPE_KEYS, (1152, 26, 6912, 4, 1, 256, 262144)))},
         "tiny": {**GEMMA3, "sliding_window": 64, "sliding_window_pattern": 3,
-                        **dict(zip(SHAPE_KEYS, (128, 3, 256, 4, 1, 64, 512)))},
+                 **dict(zip(SHAPE_KEYS, (128, 3, 256, 4, 1, 64, 512)))},
     }),
 }  # fmt: skip
 # Metrics given as a ratio to the same path's FP16 row.

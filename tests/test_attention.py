@@ -280,7 +280,8 @@ def test_sliding_ring_step_equals_store_then_attend():
     assert mx.abs(got - want).max().item() < 1e-5
     pos += 1
     before = {n: mx.array(a) for n, a in ring.items()}
-    with pytest.raises(ValueError, match=f"write at position {pos - 1}, but the layer's next position is {pos}"):
+    refused = f"write at position {pos - 1}, but the layer's next position is {pos}"
+    with pytest.raises(ValueError, match=refused):
         store_and_attend(one, 0, q, k, v, pos - 1)
     with pytest.raises(ValueError, match=f"kv_start {pos + 1} is past the first query position {pos}"):
         store_and_attend(one, 0, q, k, v, pos, kv_start=pos + 1)
