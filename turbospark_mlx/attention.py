@@ -550,8 +550,8 @@ class RingStep:
     `attention_any` compute it: the row goes into slot position % capacity and the query attends
     over the window's positions [max(kv_start, t - keep + 1), t] with MLX's fused attention and
     no mask, which is mlx-lm's RotatingKVCache step. The window's slots are one slice, or two
-    joined where they wrap; the ring's other max_rows - 1 slots (kept for prefill chunks) are not
-    read. Through the general path a step builds the ring's slot positions and a mask over every
+    joined where they wrap (`ring_rows`); the ring's other max_rows - 1 slots (kept for prefill
+    chunks) are not read. Through the general path a step builds the ring's slot positions and a mask over every
     slot, and takes MLX's masked attention."""
 
     def __init__(self, l, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
@@ -573,12 +573,8 @@ class RingStep:
         a["keys"][:, :, s : s + 1] = keys
         a["values"][:, :, s : s + 1] = values
         l.offset = position + 1
-        s0 = max(kv_start, position + 1 - self.keep) % R  # the oldest position read, its slot
-        if s0 <= s:
-            k, v = a["keys"][:, :, s0 : s + 1], a["values"][:, :, s0 : s + 1]
-        else:  # the window wraps: slots [0, s] and [s0, R), in slot order as the general path reads them
-            k = mx.concatenate([a["keys"][:, :, : s + 1], a["keys"][:, :, s0:]], axis=2)
-            v = mx.concatenate([a["values"][:, :, : s + 1], a["values"][:, :, s0:]], axis=2)
+        lo = max(kv_start, position + 1 - self.keep)  # the oldest position read
+        k, v = ring_rows(a["keys"], lo, position + 1, R), ring_rows(a["values"], lo, position + 1, R)
         if k.dtype != queries.dtype:
             k, v = k.astype(queries.dtype), v.astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=self.scale, sinks=sinks)

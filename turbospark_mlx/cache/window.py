@@ -106,9 +106,9 @@ def commit(cache, l, position: int, m: int) -> None:
 
 
 def ring_rows(ring: mx.array, p0: int, p1: int, capacity: int) -> mx.array:
-    """Positions [p0, p1) of a ring whose position p sits in slot p % capacity: a slice
-    unless the range wraps (then a gather)."""
-    s0 = p0 % capacity
-    if s0 + p1 - p0 <= capacity:
-        return ring[:, :, s0 : s0 + p1 - p0]
-    return mx.take(ring, mx.arange(p0, p1) % capacity, axis=2)
+    """Positions [p0, p1) (at most `capacity` of them) of a ring whose position p sits in slot
+    p % capacity, in position order: one slice, or two joined where the range wraps."""
+    s0, s1 = p0 % capacity, p0 % capacity + p1 - p0
+    if s1 <= capacity:
+        return ring[:, :, s0:s1]
+    return mx.concatenate([ring[:, :, s0:], ring[:, :, : s1 - capacity]], axis=2)
