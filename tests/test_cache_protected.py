@@ -223,6 +223,19 @@ def test_tq4_bytes_at_32k_with_window_and_sinks():
     assert 0.26 < ratio <= 0.30
 
 
+def test_ring_rows_reads_positions_in_order():
+    """Position p of a ring sits in slot p % capacity: ranges that wrap come back as two slices
+    joined, in position order, and a range of the whole capacity reads every slot once."""
+    from turbospark_mlx.cache.window import ring_rows
+
+    cap = 5
+    ring = mx.arange(2 * 3 * cap * 4).reshape(2, 3, cap, 4)
+    for p0, p1 in [(0, 5), (2, 4), (3, 7), (5, 10), (9, 12), (12, 13), (4, 9)]:
+        want = mx.take(ring, mx.array([p % cap for p in range(p0, p1)]), axis=2)
+        got = ring_rows(ring, p0, p1, cap)
+        assert got.shape == want.shape and mx.array_equal(got, want).item(), (p0, p1)
+
+
 def test_uncommitted_write_takes_ring_slots_from_trim():
     """A protected layer's writes go straight into its ring: a write that is never committed
     takes m of the max_rows slots beyond the window, so a trim may then give back only
