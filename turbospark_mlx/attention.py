@@ -551,8 +551,8 @@ class RingStep:
     over the window's positions [max(kv_start, t - keep + 1), t] with MLX's fused attention and
     no mask, which is mlx-lm's RotatingKVCache step. The window's slots are one slice, or two
     joined where they wrap (`ring_rows`); the ring's other max_rows - 1 slots (kept for prefill
-    chunks) are not read. Through the general path a step builds the ring's slot positions and a mask over every
-    slot, and takes MLX's masked attention."""
+    chunks) are not read. Through the general path a step builds the ring's slot positions and a
+    mask over every slot, and takes MLX's masked attention."""
 
     def __init__(self, l, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
         self.dtype, self.rows = cache.dtype, 1
