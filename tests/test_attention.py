@@ -6,6 +6,7 @@ import pytest
 from conftest import plain, random_kv
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, store_kv
 from turbospark_mlx.attention import attention_mask
+from turbospark_mlx.gpu.backend import current_backend
 from turbospark_mlx.quant.reference import fp16_attention_ref
 from turbospark_mlx.quant import dequantize_ref
 
@@ -57,7 +58,11 @@ def test_tq_m_rows_causal_equals_dense(preset, D):
     mask = attention_mask(mx.arange(L), mx.arange(L - M, L), kv_start)
     want = fp16_attention_ref(q, k, v, scale=0.3, mask=mask, sinks=sinks)
     assert got.dtype == mx.float16
-    assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()  # fp16 output rounding
+    if current_backend() == "reference":
+        assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()  # fp16 output rounding
+    else:  # the kernels multiply fp16 operands (tests/test_gpu_kernels.py holds them to the same)
+        rel = (mx.linalg.norm((got - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()
+        assert rel < 5e-3, rel
 
 
 def test_tq_attention_is_close_to_exact_attention():
@@ -311,7 +316,10 @@ def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
 
     def spy(q, k, v, **kw):
         calls.append((q.shape[2], kw.get("force_fused", False)))
-        return sdpa(q, k, v, **kw)
+        out = sdpa(q, k, v, **kw)  # MLX's CPU backend raises here when the fused kernel is forced
+        if kw.get("force_fused"):  # a GPU build that has one: take the block path all the same
+            raise ValueError("no fused attention for this shape")
+        return out
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
     for pos in range(0, 3 * M, M):
