@@ -246,11 +246,11 @@ def test_growing_fp16_step_equals_store_then_attend():
 
 
 def test_sliding_ring_step_equals_store_then_attend():
-    """A sliding-window FP16 ring's prepared decode step (`RingStep`) writes and attends as
-    store_kv + attention_any do, over the window's slots alone: while the ring grows, once it
-    wraps (the window in one slice and in two), with a start, with sink logits, around prefill
-    chunks (which take the general path); a refused call changes nothing. A bounded ring with
-    sink rows keeps the general path."""
+    """A sliding-window FP16 ring's prepared step (`RingStep`) writes and attends as store_kv +
+    attention_any do, over the positions its rows read alone: one row and chunks of up to
+    max_rows rows (all inside the window: a causal mask; longer: the window's band), while the
+    ring grows, once it wraps (the keys in one slice and in two), with a start, with sink logits;
+    a refused call changes nothing. A bounded ring with sink rows keeps the general path."""
     import copy
 
     from turbospark_mlx import store_and_attend
@@ -261,14 +261,14 @@ def test_sliding_ring_step_equals_store_then_attend():
     two = copy.deepcopy(one)
     sinks = mx.random.normal((4,)).astype(mx.bfloat16)
     pos = 0
-    for m in [3] + [1] * 12 + [4] + [1] * 9:
+    for m in [3, 2] + [1] * 8 + [4, 3, 1, 2] + [1] * 9 + [4, 4]:
         k, v = (x.astype(mx.bfloat16) for x in random_kv(1, 2, m, 32))
         q = mx.random.normal((1, 4, m, 32)).astype(mx.bfloat16)
         start, sk = (min(2, pos) if pos < 8 else 0), (sinks if pos % 2 else None)
         got = store_and_attend(one, 0, q, k, v, pos, scale=0.3, sinks=sk, kv_start=start)
         store_kv(two, 0, pos, k, v)
         want = attention_any(two, 0, q, pos, scale=0.3, sinks=sk, kv_start=start)
-        assert isinstance(one._layers[0].step_plan[1], RingStep) == (m == 1)
+        assert isinstance(one._layers[0].step_plan[1], RingStep)
         assert got.dtype == mx.bfloat16
         assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2, pos
         pos += m

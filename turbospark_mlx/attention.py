@@ -18,6 +18,8 @@ step takes its own path on the reference backend: equal to float32 rounding).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -546,16 +548,17 @@ class GrowingStep:
 
 
 class RingStep:
-    """One row of a sliding-window FP16 ring (no sink rows) for one call shape, as `store_kv` +
-    `attention_any` compute it: the row goes into slot position % capacity and the query attends
-    over the window's positions [max(kv_start, t - keep + 1), t] with MLX's fused attention and
-    no mask, which is mlx-lm's RotatingKVCache step. The window's slots are one slice, or two
-    joined where they wrap (`ring_rows`); the ring's other max_rows - 1 slots (kept for prefill
-    chunks) are not read. Through the general path a step builds the ring's slot positions and a
-    mask over every slot, and takes MLX's masked attention."""
+    """M rows of a sliding-window FP16 ring (no sink rows) for one call shape, as `store_kv` +
+    `attention_any` compute them: the rows go into slots position % capacity and the queries
+    attend over positions [max(kv_start, position - keep + 1), end) read in position order (one
+    slice, or two joined where they wrap: `ring_rows`), as mlx-lm's RotatingKVCache attends. One
+    row reads its window without a mask; a chunk whose rows all see every key read takes the
+    causal mask, and a longer one the band of `_window_mask`, built once per shape and shared by
+    the layers and chunks. Through the general path every call built the ring's slot positions
+    and a mask over all its window + max_rows - 1 slots, per layer."""
 
     def __init__(self, l, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
-        self.dtype, self.rows = cache.dtype, 1
+        self.dtype, self.rows = cache.dtype, queries.shape[2]
         self.scale = queries.shape[3] ** -0.5 if scale is None else scale
         self.R, self.keep = l.ring_capacity, l.keep
 
@@ -563,21 +566,37 @@ class RingStep:
         return self  # never changed by a call
 
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
-        l, R = cache._layers[layer], self.R
-        if position >= l.capacity and l.capacity < R:
-            cache._reserve(l, position + 1)
-        a = l.arrays
+        l, R, M = cache._layers[layer], self.R, self.rows
+        end = position + M
+        if end > l.capacity and l.capacity < R:
+            cache._reserve(l, end)
         if keys.dtype != self.dtype:
             keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-        s = position % R
-        a["keys"][:, :, s : s + 1] = keys
-        a["values"][:, :, s : s + 1] = values
-        l.offset = position + 1
-        lo = max(kv_start, position + 1 - self.keep)  # the oldest position read
-        k, v = ring_rows(a["keys"], lo, position + 1, R), ring_rows(a["values"], lo, position + 1, R)
+        cache._put(l, "keys", position, keys)
+        cache._put(l, "values", position, values)
+        l.offset = end
+        lo = max(kv_start, position + 1 - self.keep)  # the oldest position the first row reads
+        k, v = ring_rows(l.arrays["keys"], lo, end, R), ring_rows(l.arrays["values"], lo, end, R)
         if k.dtype != queries.dtype:
             k, v = k.astype(queries.dtype), v.astype(queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=self.scale, sinks=sinks)
+        offset = position - lo
+        if M == 1:
+            mask = None
+        elif offset + M <= self.keep:  # no row's window starts after lo
+            mask = "causal"
+        else:
+            mask = _window_mask(M, offset, self.keep)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=self.scale, mask=mask, sinks=sinks)
+
+
+@functools.lru_cache(maxsize=8)
+def _window_mask(rows: int, offset: int, window: int) -> mx.array:
+    """(rows, offset + rows) bool: query row i, at key index offset + i, sees keys j with
+    offset + i - window < j <= offset + i (mlx-lm's `create_causal_mask(rows, offset, window)`).
+    A prefill's chunks after the first share one shape, so the mask is built once for them all."""
+    q = mx.arange(offset, offset + rows)[:, None]
+    k = mx.arange(offset + rows)[None]
+    return (k <= q) & (k > q - window)
 
 
 def _fp16_step(
@@ -586,7 +605,7 @@ def _fp16_step(
     """The GrowingStep or RingStep for this call, or None where the general path serves it:
     another layer kind (a ring with sink rows among them), per-sequence starts, rows that do not
     match the layer (the general path names the problem), a position, start or context limit
-    the general path refuses, a half-done write, more than one row on a ring."""
+    the general path refuses, a half-done write, more rows than a ring keeps beyond its window."""
     l = cache._layers.get(layer)
     if l is None or l.quant is not None or l.sink_rows or cache.stage.pending:
         return None
@@ -610,8 +629,8 @@ def _fp16_step(
             step = None
         elif l.ring_capacity is None:
             step = GrowingStep(cache, queries, scale)
-        else:  # a chunk on a ring needs a mask (its rows see different windows): the general path
-            step = RingStep(l, cache, queries, scale) if M == 1 else None
+        else:  # a ring keeps max_rows slots beyond its window for a chunk's rows
+            step = RingStep(l, cache, queries, scale) if M <= cache.max_rows else None
         plan = l.step_plan = (sig, step)
     step = plan[1]
     if step is None:
