@@ -554,7 +554,7 @@ class RingStep:
     slice, or two joined where they wrap: `ring_rows`), as mlx-lm's RotatingKVCache attends. One
     row reads its window without a mask; a chunk whose rows all see every key read takes the
     causal mask, and a longer one the band of `_window_mask`, built once per shape and shared by
-    the layers and chunks. Through the general path every call built the ring's slot positions
+    the layers and chunks. Through the general path every call builds the ring's slot positions
     and a mask over all its window + max_rows - 1 slots, per layer."""
 
     def __init__(self, l, cache: KVCacheManager, queries: mx.array, scale: float | None) -> None:
