@@ -591,12 +591,10 @@ class RingStep:
 
 @functools.lru_cache(maxsize=8)
 def _window_mask(rows: int, offset: int, window: int) -> mx.array:
-    """(rows, offset + rows) bool: query row i, at key index offset + i, sees keys j with
-    offset + i - window < j <= offset + i (mlx-lm's `create_causal_mask(rows, offset, window)`).
+    """`attention_mask` of `rows` queries at key indices offset.. over offset + rows keys read in
+    position order under a sliding window (mlx-lm's `create_causal_mask(rows, offset, window)`).
     A prefill's chunks after the first share one shape, so the mask is built once for them all."""
-    q = mx.arange(offset, offset + rows)[:, None]
-    k = mx.arange(offset + rows)[None]
-    return (k <= q) & (k > q - window)
+    return attention_mask(mx.arange(offset + rows), mx.arange(offset, offset + rows), 0, window)
 
 
 def _fp16_step(
