@@ -61,7 +61,8 @@ def test_tq_m_rows_causal_equals_dense(preset, D):
     if current_backend() == "reference":
         assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()  # fp16 output rounding
     else:  # the kernels multiply fp16 operands (tests/test_gpu_kernels.py holds them to the same)
-        rel = (mx.linalg.norm((got - want).astype(mx.float32)) / mx.linalg.norm(want.astype(mx.float32))).item()
+        got, want = got.astype(mx.float32), want.astype(mx.float32)
+        rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
         assert rel < 5e-3, rel
 
 
@@ -328,7 +329,11 @@ def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
         q = mx.random.normal((1, 8, M, D))
         out = attention_module._prefill_attention(cache, 0, q, pos, D**-0.5, None, 0, "reference")
         ref = prefill_reference(cache, 0, q, pos)
-        assert mx.abs(out - ref).max().item() < 1e-4, pos
+        if mx.default_device() == mx.cpu:
+            assert mx.abs(out - ref).max().item() < 1e-4, pos
+        else:  # MLX CUDA's float32 products round about as TF32 does: up to 4.5e-3 off here (H100)
+            rel = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+            assert rel < 5e-3, (pos, rel)
         block = max(16, 4 * 8 * 128 * 24 // (4 * 8 * (pos + M)))
         assert calls == [(M, True)] + [(min(block, M - i), False) for i in range(0, M, block)], (pos, calls)
         calls.clear()
