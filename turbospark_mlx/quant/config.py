@@ -234,7 +234,7 @@ DEFAULT_PRESET = "k8v4"
 # Shipped presets measured to lose quality a user should hear about when a cache uses them
 # (benchmarks/results/quality.md): preset name -> what was measured.
 QUALITY_WARNINGS = {
-    "tq2": "+3.2% and +3.4% perplexity against the FP16 cache on SmolLM2-135M and Gemma-3-270M "
+    "tq2": "+2.1% and +2.2% perplexity against the FP16 cache on SmolLM2-135M and Gemma-3-270M "
     "at 1k tokens, +10.6% and +18.7% at 8k (84% and 77% top-1 agreement), where k8v4 and tq4 "
     "stay within about 1% (benchmarks/results/quality.md)",
 }
