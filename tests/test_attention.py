@@ -11,6 +11,12 @@ from turbospark_mlx.quant.reference import fp16_attention_ref
 from turbospark_mlx.quant import dequantize_ref
 
 
+def rel_l2(got: mx.array, want: mx.array) -> float:
+    """||got - want|| / ||want||, in float32."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+
+
 def fill(cache, layer, L, chunk=None, scale=1.0):
     spec = cache.specs[layer]
     k, v = random_kv(cache.batch_size, spec.n_kv_heads, L, spec.head_dim, scale=scale)
@@ -61,8 +67,7 @@ def test_tq_m_rows_causal_equals_dense(preset, D):
     if current_backend() == "reference":
         assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()  # fp16 output rounding
     else:  # the kernels multiply fp16 operands (tests/test_gpu_kernels.py holds them to the same)
-        got, want = got.astype(mx.float32), want.astype(mx.float32)
-        rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        rel = rel_l2(got, want)
         assert rel < 5e-3, rel
 
 
@@ -74,7 +79,7 @@ def test_tq_attention_is_close_to_exact_attention():
     q = mx.random.normal((B, Hkv, 1, D))
     got = attention_any(cache, 0, q)
     exact = fp16_attention_ref(q, k, v, scale=D**-0.5)
-    rel = (mx.linalg.norm(got - exact) / mx.linalg.norm(exact)).item()
+    rel = rel_l2(got, exact)
     assert rel < 0.15, rel
 
 
@@ -332,7 +337,7 @@ def test_prefill_path_without_a_fused_kernel_goes_in_blocks(kv, monkeypatch):
         if mx.default_device() == mx.cpu:
             assert mx.abs(out - ref).max().item() < 1e-4, pos
         else:  # MLX CUDA's float32 products are less exact than the CPU's: up to 4.5e-3 off here (H100)
-            rel = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+            rel = rel_l2(out, ref)
             assert rel < 5e-3, (pos, rel)
         block = max(16, 4 * 8 * 128 * 24 // (4 * 8 * (pos + M)))
         assert calls == [(M, True)] + [(min(block, M - i), False) for i in range(0, M, block)], (pos, calls)
