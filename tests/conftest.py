@@ -10,6 +10,7 @@ os.environ.setdefault("TURBOSPARK_CPU_BLAS", "reference")
 from turbospark_mlx import KVCacheManager, TurboQuantConfig, get_preset  # noqa: E402  isort: skip
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from turbospark_mlx.quant.reference import dequantize_ref, fp16_attention_ref
@@ -24,6 +25,14 @@ def plain(name: str) -> TurboQuantConfig:
     """A preset without its FP16 window, sink rows and key centring: plain TurboQuant layers,
     whose storage is codes only (what the tests of the codes path need)."""
     return get_preset(name).plain()
+
+
+def rel_l2(got: mx.array, want: mx.array) -> float:
+    """||got - want|| / ||want|| in float64; `got` must be finite."""
+    a = np.asarray(got.astype(mx.float32), dtype=np.float64)
+    b = np.asarray(want.astype(mx.float32), dtype=np.float64)
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def random_kv(B, H, L, D, dtype=mx.float16, scale=1.0):

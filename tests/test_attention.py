@@ -3,18 +3,12 @@
 import mlx.core as mx
 import pytest
 
-from conftest import plain, random_kv
+from conftest import plain, random_kv, rel_l2
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, store_kv
 from turbospark_mlx.attention import attention_mask
 from turbospark_mlx.gpu.backend import current_backend
 from turbospark_mlx.quant.reference import fp16_attention_ref
 from turbospark_mlx.quant import dequantize_ref
-
-
-def rel_l2(got: mx.array, want: mx.array) -> float:
-    """||got - want|| / ||want||, in float32."""
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
 
 
 def fill(cache, layer, L, chunk=None, scale=1.0):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import prefill_reference
+from conftest import prefill_reference, rel_l2
 from turbospark_mlx import KVCacheManager, LayerSpec, attention_any, commit_kv, get_preset, kv_write_target, store_kv
 from turbospark_mlx import attention as attention_module
 from turbospark_mlx.attention import PREFILL_MIN_ROWS, attention_mask
@@ -36,13 +36,6 @@ if BACKEND == "reference":
         pytest.mark.gpu,
         pytest.mark.skip(reason="needs a Metal or CUDA GPU (MLX default device is not a GPU)"),
     ]
-
-
-def _rel(a: mx.array, b: mx.array) -> float:
-    a = np.asarray(a.astype(mx.float32), dtype=np.float64)
-    b = np.asarray(b.astype(mx.float32), dtype=np.float64)
-    assert np.isfinite(a).all()
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _quant(kb: int, vb: int, d: int, layer: int = 0) -> LayerQuant:
@@ -141,7 +134,7 @@ def _decode_case(case, variant):
 def test_decode_kernel_matches_ref(case):
     out, ref, again = _decode_case(case, "dialect")
     assert out.shape == ref.shape
-    assert _rel(out, ref) < 2e-5
+    assert rel_l2(out, ref) < 2e-5
     assert mx.array_equal(out, again).item()
 
 
@@ -177,7 +170,7 @@ def test_mma_decode_kernel_matches_ref(case):
         pytest.skip("the tensor-core decode kernel runs on CUDA only")
     out, ref, again = _decode_case(case, "mma")
     assert out.shape == ref.shape
-    err = _rel(out, ref)
+    err = rel_l2(out, ref)
     print(f"rel L2 {err:.2e}")
     assert err < 5e-3
     assert mx.array_equal(out, again).item()
@@ -261,7 +254,7 @@ def test_cache_paths_use_kernels_and_match_reference():
         ref_outs, ref_cache = run("reference")
     for a, b in zip(gpu_outs, ref_outs):
         # codes may differ at boundary ties, and CUDA's tensor-core kernel rounds operands to fp16
-        assert _rel(a, b) < 5e-3
+        assert rel_l2(a, b) < 5e-3
     for layer in range(2):
         ga, ra = gpu_cache.layer_arrays(layer), ref_cache.layer_arrays(layer)
         n = gpu_cache.layer_offset(layer)
@@ -303,7 +296,7 @@ def test_protected_layers_match_reference(d, kv, max_kv_size, commit):
 
     gpu, ref = run()
     again, _ = run()
-    errs = [_rel(a, c) for a, c in zip(gpu, ref)]
+    errs = [rel_l2(a, c) for a, c in zip(gpu, ref)]
     print(f"protected {kv} d {d}: max rel L2 {max(errs):.2e}")
     for a, b in zip(gpu, again):
         assert mx.array_equal(a, b).item()
@@ -364,7 +357,7 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window):
         assert fast.layer_offset(0) == general.layer_offset(0) == pos + 1
         for name, a in fast.layer_arrays(0).items():
             assert mx.array_equal(a, general.layer_arrays(0)[name]).item(), name
-        assert _rel(out, ref) < 5e-3, _rel(out, ref)
+        assert rel_l2(out, ref) < 5e-3, rel_l2(out, ref)
         pos += 1
     assert seen == ({True} if commit == 1 else {True, False})
 
@@ -381,7 +374,7 @@ def test_dequantize_kernel_matches_ref(d, bits):
         with mx.stream(mx.cpu):
             ref = tq_dequantize(codes, norms, side, n, dtype, m, backend="reference")
         assert out.shape == (2, 3, n, d) and out.dtype == dtype
-        assert _rel(out, ref) < (1e-5 if dtype == mx.float32 else 5e-3), (n, dtype)
+        assert rel_l2(out, ref) < (1e-5 if dtype == mx.float32 else 5e-3), (n, dtype)
         again = tq_dequantize(codes, norms, side, n, dtype, m, backend=BACKEND)
         assert mx.array_equal(out, again).item()
 
@@ -420,7 +413,7 @@ def test_prefill_path_matches_its_oracle(kv, d, path, monkeypatch):
         ref = prefill_reference(cache, 0, q, pos, sinks=mx.ones((8,)))
         end = pos + M
         assert mx.array_equal(out, again).item()
-        assert _rel(out, ref) < 1e-2, (pos, _rel(out, ref))
+        assert rel_l2(out, ref) < 1e-2, (pos, rel_l2(out, ref))
         expected = [(M, True)]  # per attention_any call: the whole chunk, fused
         if path == "blocks":  # refused, then blocks of the budget's rows
             block = max(16, 4 * 8 * 256 * 20 // (4 * 8 * end))

@@ -8,7 +8,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from conftest import plain
+from conftest import plain, rel_l2
 
 pytest.importorskip("mlx_lm")
 
@@ -80,10 +80,6 @@ def forward_chunks(model, tokens, cache, chunk):
     return mx.concatenate(outs, axis=1)
 
 
-def rel_err(a, b):
-    return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
-
-
 def greedy(model, prompt, cache, n, **kw):
     return [
         t
@@ -137,7 +133,7 @@ def test_logits_close_to_mlx_lm_cache(family):
             ],
             axis=1,
         )
-        errs[getattr(kv, "name", kv)] = rel_err(ours, ref)
+        errs[getattr(kv, "name", kv)] = rel_l2(ours, ref)
         assert all(c.offset == 29 for c in cache if hasattr(c, "offset"))
     unpatch_model(model)
     # Relative Frobenius error of all logits (measured: k8v8 ~0.005-0.01, k8v4 ~0.04-0.07).
@@ -508,8 +504,8 @@ def test_bounded_drop_in_matches_own_bounded_cache_with_flat_memory():
     # than max_size positions, the own FP16 ring does not.
     for s, e in [(0, 16), (16, 32)] + [(p, p + 1) for p in range(32, 130)]:
         want = own(tokens[:, s:e], cache=ref)
-        bounded.append(rel_err(model(tokens[:, s:e], cache=cache), want))
-        unbounded.append(rel_err(model(tokens[:, s:e], cache=free), want))
+        bounded.append(rel_l2(model(tokens[:, s:e], cache=cache), want))
+        unbounded.append(rel_l2(model(tokens[:, s:e], cache=free), want))
         if e >= 100:
             sizes.append(sum(c.nbytes for c in cache[:2]))
     assert max(bounded) < 1e-2, bounded
