@@ -279,7 +279,7 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     class Mma:  # tq_decode_mma: takes every shape; returns zeros of the queries' shape
         reason, per = None, 16
 
-        def __call__(self, queries, *codes, dense_rows=None):
+        def launch(self, queries, *codes_rows_and_step):
             return mx.zeros_like(queries)
 
     config = protected(window=8, sinks=2, commit=commit)
@@ -294,7 +294,7 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
     steps = 0
     for p in range(24, 120):
         rows = (k[:, :, p : p + 1], v[:, :, p : p + 1])
-        steps += attention._protected_step(fast, 0, q[:, :, :1], *rows, p, None, None, 0) is not None
+        steps += attention._planned_step(fast, 0, q[:, :, :1], *rows, p, None, None, 0) is not None
         attention.store_and_attend(fast, 0, q[:, :, :1], *rows, p)
         with monkeypatch.context() as m:
             m.setattr(attention._backend, "current_backend", lambda: "reference")
@@ -329,7 +329,7 @@ def test_cuda_decode_step_plan_follows_the_call(monkeypatch):
     rows = (k[:, :, 44:45], v[:, :, 44:45])
 
     def step(c, position=44, queries=q[:, :, :1], rows=rows, kv_start=0):
-        return attention._protected_step(c, 0, queries, *rows, position, None, None, kv_start)
+        return attention._planned_step(c, 0, queries, *rows, position, None, None, kv_start)
 
     first = step(cache)
     assert first is not None and step(cache) is first and cache._layers[0].step_plan[1] is first

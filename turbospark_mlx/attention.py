@@ -99,9 +99,7 @@ def store_and_attend(
     and MLX's fused attention, as mlx-lm's KVCache), a sliding-window FP16 ring's decode step
     (`RingStep`: the same over the window's slots, as mlx-lm's RotatingKVCache), and a protected
     layer's decode step on CUDA (`ProtectedStep`: one launch, two on a commit step)."""
-    step = _fp16_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
-    if step is None:
-        step = _protected_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
+    step = _planned_step(cache, layer, queries, keys, values, position, scale, sinks, kv_start)
     if step is not None:
         return step(cache, layer, queries, keys, values, position, kv_start, sinks)
     # Queries and start are checked before the write, so a bad call leaves the cache as it was.
@@ -468,7 +466,7 @@ def _check_queries(cache: KVCacheManager, layer: int, queries: mx.array, sinks: 
 
 class ProtectedStep:
     """The decode step of a protected TurboQuant layer on CUDA for one call shape, as
-    `store_kv` + `attention_any` compute it: the new rows go into the FP16 ring (two slice
+    `store_kv` + `attention_any` compute it: the new row goes into the FP16 ring (two slice
     updates), and on the step that completes a commit block `tq_commit` quantizes the block and
     its codes go into their slots (four slice updates); then one tensor-core launch reads the
     codes and the FP16 rows. Launch objects and shapes are built once (a decode step calls this
@@ -479,7 +477,7 @@ class ProtectedStep:
         self, cache: KVCacheManager, l, queries: mx.array, scale: float, starts: bool, has_sink: bool
     ) -> None:
         config = cache.config
-        self.config, self.S, self.R = config, config.sink_rows, l.recent_capacity
+        self.S, self.R, self.B = config.sink_rows, l.recent_capacity, config.commit_rows
         self.first_offset = config.window_rows + config.sink_rows
         # The first position whose row reads codes (committed_end(p) > sink_rows from it on).
         self.first_read = self.first_offset + config.commit_rows
@@ -494,17 +492,37 @@ class ProtectedStep:
     def __deepcopy__(self, memo) -> "ProtectedStep":
         return self  # a plan shared by every cache of its configuration, never changed by a call
 
+    def takes(self, cache, l, position: int, kv_start) -> bool:
+        """Whether this call is the step's (`_planned_step` asked for CUDA): the row at the
+        layer's end reading codes (the key mean set), the ring at its full size, a start at most
+        the row's position (past it, the general path names the problem)."""
+        a = l.arrays
+        if (
+            position != l.offset
+            or position < self.first_read
+            or a["k_recent"].shape[2] != self.R
+            or ("k_mean" in a) != self.has_mean
+        ):  # fmt: skip
+            return False
+        if isinstance(kv_start, int):
+            return kv_start <= position
+        return isinstance(kv_start, mx.array) and int(np.asarray(kv_start).max()) <= position
+
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
-        l, M, S = cache._layers[layer], self.rows, self.S
+        l = cache._layers[layer]
         a = l.arrays
         s = position % self.R
-        for name, rows in (("k_recent", keys), ("v_recent", values)):
-            a[name][:, :, s : s + M] = rows if rows.dtype == self.dtype else rows.astype(self.dtype)
-        window.commit(cache, l, position, M)  # on one step in commit_rows: tq_commit of a block
-        l.offset = position + M
-        return self.mma(
-            queries, *_codes(a), position - self.first_offset, kv_start, sinks, dense_rows=_dense_rows(a, S)
-        )
+        if keys.dtype != self.dtype:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        a["k_recent"][:, :, s : s + 1] = keys
+        a["v_recent"][:, :, s : s + 1] = values
+        if (position + 1 - self.first_offset) % self.B == 0:  # the row completes a commit block
+            window.commit(cache, l, position, 1)  # tq_commit of the block
+        l.offset = position + 1
+        return self.mma.launch(
+            queries, a["k_codes"], a["k_norms"], a["v_codes"], a["v_norms"], _dense_rows(a, self.S),
+            position - self.first_offset, kv_start, sinks,
+        )  # fmt: skip
 
 
 _CODES = ("k_codes", "k_norms", "v_codes", "v_norms")
@@ -517,7 +535,7 @@ class GrowingStep:
     """M rows of a growing FP16 layer for one call shape, as `store_kv` + `attention_any` compute
     them: the rows go into their slots (two slice updates; storage grows in whole steps) and the
     queries attend over positions [kv_start, end) with MLX's fused attention, causal inside the
-    rows, which is mlx-lm's KVCache step. `_fp16_step` checked the shape once; a call only
+    rows, which is mlx-lm's KVCache step. `_planned_step` checked the shape once; a call only
     re-checks what moves. (Through the general path the own llama's FP16 decode step took ~1.4x
     the host time of mlx-lm's; docs/decode_kernels.md, "Inside the whole model".)"""
 
@@ -528,6 +546,14 @@ class GrowingStep:
 
     def __deepcopy__(self, memo) -> "GrowingStep":
         return self  # never changed by a call
+
+    def takes(self, cache, l, position: int, kv_start) -> bool:
+        """Whether this call is the step's: rows at the layer's end, an int start at most the
+        position, within the cache's context limit (else the general path names the problem)."""
+        return (
+            isinstance(kv_start, int) and 0 <= kv_start <= position == l.offset
+            and (cache.max_context is None or position + self.rows <= cache.max_context)
+        )  # fmt: skip
 
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
         l, end = cache._layers[layer], position + self.rows
@@ -565,6 +591,10 @@ class RingStep:
     def __deepcopy__(self, memo) -> "RingStep":
         return self  # never changed by a call
 
+    def takes(self, cache, l, position: int, kv_start) -> bool:
+        """Whether this call is the step's: rows at the layer's end, an int start at most the position."""
+        return isinstance(kv_start, int) and 0 <= kv_start <= position == l.offset
+
     def __call__(self, cache, layer, queries, keys, values, position, kv_start, sinks) -> mx.array:
         l, R, M = cache._layers[layer], self.R, self.rows
         end = position + M
@@ -597,95 +627,62 @@ def _window_mask(rows: int, offset: int, window: int) -> mx.array:
     return attention_mask(mx.arange(offset + rows), mx.arange(offset, offset + rows), 0, window)
 
 
-def _fp16_step(
+def _planned_step(
     cache, layer, queries, keys, values, position, scale, sinks, kv_start
-) -> GrowingStep | RingStep | None:
-    """The GrowingStep or RingStep for this call, or None where the general path serves it:
-    another layer kind (a ring with sink rows among them), per-sequence starts, rows that do not
-    match the layer (the general path names the problem), a position, start or context limit
-    the general path refuses, a half-done write, more rows than a ring keeps beyond its window."""
+) -> GrowingStep | RingStep | ProtectedStep | None:
+    """The step prepared for this call (`GrowingStep`, `RingStep`, `ProtectedStep`), or None
+    where the general path serves it: another layer kind (a ring with sink rows, a bounded
+    protected layer, an unprotected TurboQuant layer), a protected layer off CUDA, rows that do
+    not match the layer (the general path names the problem), a half-done write, or what the
+    step's `takes` refuses. The layer keeps the step of its last call shape
+    (`_Layer.step_plan`), so a decode step only re-checks what changes from step to step."""
     l = cache._layers.get(layer)
-    if l is None or l.quant is not None or l.sink_rows or cache.stage.pending:
+    if l is None or cache.stage.pending:
         return None
-    if not isinstance(kv_start, int) or not 0 <= kv_start <= position or position != l.offset:
-        return None
+    if l.quant is not None or l.sink_rows:  # the own steps: growing / ring FP16, protected on CUDA
+        if not l.recent_capacity or l.keep is not None or _backend.current_backend() != "cuda":
+            return None
     if not (isinstance(queries, mx.array) and isinstance(keys, mx.array) and isinstance(values, mx.array)):
-        return None
-    sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
-           sinks is None)  # fmt: skip
-    plan = l.step_plan
-    if plan is None or plan[0] != sig:
-        B, H, D = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim
-        qs, M = queries.shape, keys.shape[2] if keys.ndim == 4 else 0
-        ok = (
-            M >= 1 and keys.shape == (B, H, M, D) and values.shape == keys.shape
-            and len(qs) == 4 and qs[0] == B and qs[2] == M and qs[3] == D and qs[1] % H == 0
-            and all(x.dtype in _FLOATS for x in (queries, keys, values))
-            and (sinks is None or sinks.shape == (qs[1],))
-        )  # fmt: skip
-        if not ok:
-            step = None
-        elif l.ring_capacity is None:
-            step = GrowingStep(cache, queries, scale)
-        else:  # a ring keeps max_rows slots beyond its window for a chunk's rows
-            step = RingStep(l, cache, queries, scale) if M <= cache.max_rows else None
-        plan = l.step_plan = (sig, step)
-    step = plan[1]
-    if step is None:
-        return None
-    if l.ring_capacity is None and cache.max_context is not None and position + step.rows > cache.max_context:
-        return None
-    return step
-
-
-def _protected_step(
-    cache, layer, queries, keys, values, position, scale, sinks, kv_start
-) -> ProtectedStep | None:
-    """The ProtectedStep for this call, or None where the general path serves it: another
-    backend or layer kind, more than one row, a query row that reads no codes yet, a ring not
-    at its full size, rows that do not match the layer (the general path names the problem),
-    a half-done write. The layer keeps the step of its last call shape (`_Layer.step_plan`),
-    so a decode step only re-checks what changes from step to step."""
-    l = cache._layers.get(layer)
-    if l is None or not l.recent_capacity or l.keep is not None or cache.stage.pending:
-        return None
-    if _backend.current_backend() != "cuda":
         return None
     sig = (queries.shape, keys.shape, values.shape, queries.dtype, keys.dtype, values.dtype, scale,
            sinks is None, isinstance(kv_start, mx.array))  # fmt: skip
     plan = l.step_plan
     if plan is None or plan[0] != sig:
-        step = _new_protected_step(cache, l, queries, keys, values, scale, sinks, sig[-1])
-        plan = l.step_plan = (sig, step)
+        plan = l.step_plan = (sig, _new_step(cache, l, queries, keys, values, scale, sinks, sig[-1]))
     step = plan[1]
-    if (
-        step is None
-        or position != l.offset
-        or position < step.first_read  # the key mean is set, every row reads codes
-        or l.arrays["k_recent"].shape[2] != step.R
-        or ("k_mean" in l.arrays) != step.has_mean
-        or not isinstance(kv_start, (int, mx.array))
-        or (kv_start if isinstance(kv_start, int) else int(np.asarray(kv_start).max())) > position
-    ):  # (a start past the row: the general path names the problem)
+    if step is None or not step.takes(cache, l, position, kv_start):
         return None
     return step
 
 
-def _new_protected_step(cache, l, queries, keys, values, scale, sinks, starts: bool) -> ProtectedStep | None:
-    """The ProtectedStep of a call shape, shared by the caches of one configuration (TABLES, per
-    quantizer); None if the tensor-core kernel cannot take the shape."""
-    B, Hkv, D, M = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim, keys.shape[2]
-    qs = queries.shape
-    if (
-        M != 1  # a decode step: the fused multi-row commit has no GPU test, a few-row verify goes general
-        or len(qs) != 4 or qs[0] != B or qs[2] != M or qs[3] != D or qs[1] % Hkv
-        or keys.shape != (B, Hkv, M, D) or values.shape != keys.shape
-        or not all(x.dtype in _FLOATS for x in (queries, keys, values))
-        or (sinks is not None and sinks.shape != (qs[1],))
-    ):  # fmt: skip
+def _new_step(cache, l, queries, keys, values, scale, sinks, starts: bool):
+    """The step of a call shape on layer `l`, or None if its kind's step cannot take it."""
+    B, H, D = cache.batch_size, l.spec.n_kv_heads, l.spec.head_dim
+    qs, M = queries.shape, keys.shape[2] if keys.ndim == 4 else 0
+    ok = (
+        M >= 1 and keys.shape == (B, H, M, D) and values.shape == keys.shape
+        and len(qs) == 4 and qs[0] == B and qs[2] == M and qs[3] == D and qs[1] % H == 0
+        and all(x.dtype in _FLOATS for x in (queries, keys, values))
+        and (sinks is None or sinks.shape == (qs[1],))
+    )  # fmt: skip
+    if not ok:
+        return None
+    if l.quant is not None:
+        return _new_protected_step(cache, l, queries, scale, sinks, starts)
+    if starts:
+        return None
+    if l.ring_capacity is None:
+        return GrowingStep(cache, queries, scale)
+    return RingStep(l, cache, queries, scale) if M <= cache.max_rows else None  # slots beyond the window
+
+
+def _new_protected_step(cache, l, queries, scale, sinks, starts: bool) -> ProtectedStep | None:
+    """The ProtectedStep of a call shape whose rows match the layer, shared by the caches of
+    one configuration (TABLES, per quantizer); None if the tensor-core kernel cannot take it."""
+    if queries.shape[2] != 1:  # a decode step: the fused multi-row commit has no GPU test
         return None
     config, a = cache.config, l.arrays
-    scale = D**-0.5 if scale is None else scale
+    scale = l.spec.head_dim**-0.5 if scale is None else scale
     cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})
     key = ("step", l.quant.v, queries.shape, queries.dtype, cache.dtype, scale, starts, sinks is not None,
            config.sink_rows, config.window_rows, config.commit_rows, l.recent_capacity,

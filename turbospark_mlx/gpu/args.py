@@ -81,12 +81,19 @@ def length_arg(n: int) -> mx.array:
     return view
 
 
+# The last int-start call's ((position, kv_start), step_args): the layers of a decode step share it.
+_LAST_STEP_ARGS: list = [None, None]
+
+
 def step_args(position: int, kv_start: int | mx.array, batch: int) -> list[mx.array]:
     """The decode kernels' per-step inputs (qpos, kv0, kv_starts): the first query position
     and an int kv_start as lengths, per-sequence starts as a >= 8-element int32 array
-    (unused zeros for an int start)."""
+    (unused zeros for an int start). Callers unpack the list and never change it."""
     if not isinstance(kv_start, mx.array):
-        return [length_arg(position), length_arg(int(kv_start)), _ZEROS8_I32]
+        key = (position, kv_start)
+        if _LAST_STEP_ARGS[0] != key:
+            _LAST_STEP_ARGS[:] = key, [length_arg(position), length_arg(int(kv_start)), _ZEROS8_I32]
+        return _LAST_STEP_ARGS[1]
     starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (batch,))
     if batch < 8:
         starts = mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)])

@@ -455,6 +455,17 @@ class MmaLaunch:
                 commit_rows=self.commit_rows,
                 _tiles_per_warp=tiles_per_warp,
             )
+        return self.launch(
+            queries, k_codes, k_norms, v_codes, v_norms, dense_rows or _NO_DENSE, position, kv_start, sinks,
+            tiles_per_warp,
+        )  # fmt: skip
+
+    def launch(
+        self, queries, k_codes, k_norms, v_codes, v_norms, dense_rows, position, kv_start, sinks,
+        tiles_per_warp=None,
+    ) -> mx.array:  # fmt: skip
+        """One launch of `per` or fewer query rows (__call__ without the split): a protected
+        layer's decode step calls this straight, with its five dense_rows."""
         tiles = max(1, (_committed(position + self.rows, self.commit_rows) + 15) // 16)
         shape = self.by_tiles.get(tiles) if tiles_per_warp is None else None
         if shape is None:
@@ -474,7 +485,7 @@ class MmaLaunch:
                 v_norms,
                 self.tables,  # K table, V table, Π_K, Π_V
                 sinks_arg(sinks),
-                *(dense_rows or _NO_DENSE),
+                *dense_rows,
                 *step_args(position, kv_start, self.batch),
                 *chain,  # scratch, after
             ],
