@@ -65,8 +65,9 @@ class _Layer:
     arrays: dict[str, mx.array] = field(default_factory=dict)
     capacity: int = 0
     offset: int = 0
-    # (call signature, its ProtectedStep or None) of the layer's last CUDA decode-step call
-    # (attention._protected_step): a shared plan, never part of the cache's state.
+    # (call signature, its step or None) of the layer's last call through attention's own step
+    # (attention._planned_step: GrowingStep, RingStep or ProtectedStep): a shared plan, never part
+    # of the cache's state.
     step_plan: tuple | None = field(default=None, compare=False, repr=False)
 
 
