@@ -82,18 +82,22 @@ def length_arg(n: int) -> mx.array:
 
 
 # The last int-start call's ((position, kv_start), step_args): the layers of a decode step share it.
-_LAST_STEP_ARGS: list = [None, None]
+# One tuple, read once per call, so a call never pairs one key with another call's arguments.
+_LAST_STEP_ARGS: tuple = (None, None)
 
 
 def step_args(position: int, kv_start: int | mx.array, batch: int) -> list[mx.array]:
     """The decode kernels' per-step inputs (qpos, kv0, kv_starts): the first query position
     and an int kv_start as lengths, per-sequence starts as a >= 8-element int32 array
     (unused zeros for an int start). Callers unpack the list and never change it."""
+    global _LAST_STEP_ARGS
     if not isinstance(kv_start, mx.array):
-        key = (position, kv_start)
-        if _LAST_STEP_ARGS[0] != key:
-            _LAST_STEP_ARGS[:] = key, [length_arg(position), length_arg(int(kv_start)), _ZEROS8_I32]
-        return _LAST_STEP_ARGS[1]
+        key, last = (position, kv_start), _LAST_STEP_ARGS
+        if last[0] == key:
+            return last[1]
+        args = [length_arg(position), length_arg(int(kv_start)), _ZEROS8_I32]
+        _LAST_STEP_ARGS = (key, args)
+        return args
     starts = mx.broadcast_to(kv_start.astype(mx.int32).reshape(-1), (batch,))
     if batch < 8:
         starts = mx.concatenate([starts, mx.zeros((8 - batch,), mx.int32)])
