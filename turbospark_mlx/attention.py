@@ -516,8 +516,10 @@ class ProtectedStep:
             keys, values = keys.astype(self.dtype), values.astype(self.dtype)
         a["k_recent"][:, :, s : s + 1] = keys
         a["v_recent"][:, :, s : s + 1] = values
-        if (position + 1 - self.first_offset) % self.B == 0:  # the row completes a commit block
-            window.commit(cache, l, position, 1)  # tq_commit of the block
+        # The row completes a commit block where committed_end(position + 1) moves (rows past
+        # first_read only): then window.commit quantizes the block (tq_commit).
+        if (position + 1 - self.first_offset) % self.B == 0:
+            window.commit(cache, l, position, 1)
         l.offset = position + 1
         return self.mma.launch(
             queries, a["k_codes"], a["k_norms"], a["v_codes"], a["v_norms"], _dense_rows(a, self.S),
