@@ -311,7 +311,8 @@ def test_cuda_decode_step_plan_follows_the_call(monkeypatch):
     """The layer keeps the ProtectedStep of its last call shape (`_Layer.step_plan`): the same
     plan serves every decode step, a copy of the cache shares it, and what changes between
     calls still sends a call to the general path: a second row, a position not at the end, a
-    start past the row, a trim back into the rows that read no codes, another backend."""
+    start past the row (an int, or one sequence's of per-sequence starts), a start of another
+    type, a trim back into the rows that read no codes, another backend."""
     import copy
 
     from turbospark_mlx import attention
@@ -338,6 +339,10 @@ def test_cuda_decode_step_plan_follows_the_call(monkeypatch):
     assert step(cache) is first
     assert step(cache, queries=q[:, :, :2], rows=(k[:, :, 44:46], v[:, :, 44:46])) is None  # two rows
     assert step(cache, position=43) is None and step(cache, kv_start=45) is None
+    per_sequence = step(cache, kv_start=mx.array([0, 44]))  # one start per sequence: its own shape
+    assert per_sequence is not None and per_sequence is not first
+    assert step(cache, kv_start=mx.array([0, 45])) is None  # a start past the row
+    assert step(cache, kv_start=0.0) is None  # not an int or an array: the general path names it
     with monkeypatch.context() as m:
         m.setattr(attention._backend, "current_backend", lambda: "reference")
         assert step(cache) is None
