@@ -254,8 +254,124 @@ def test_uncommitted_write_takes_ring_slots_from_trim():
     assert mx.array_equal(attention_any(cache, 0, qq, 89), attention_any(shorter, 0, qq, 89)).item()
 
 
+def _replay(cache, k, v, q, ops):
+    """Apply writes (an int: that many rows) and trims (("trim", n)) to a one-layer cache,
+    attending with each write's query rows; returns the outputs of the rows at the end."""
+    outs, pos = {}, 0
+    for op in ops:
+        if isinstance(op, tuple):
+            cache.trim(op[1])
+            pos -= op[1]
+            continue
+        store_kv(cache, 0, pos, k[:, :, pos : pos + op], v[:, :, pos : pos + op])
+        out = attention_any(cache, 0, q[:, :, pos : pos + op], pos)
+        for r in range(op):
+            outs[pos + r] = out[:, :, r : r + 1]
+        pos += op
+    return outs
+
+
+def _codes_and_window(cache) -> dict:
+    """The codes, norms, sink rows and key mean, and the ring's rows the next query reads in
+    FP16 (in position order, whatever the ring's modulus)."""
+    from turbospark_mlx.cache.window import ring_rows
+
+    a, off = cache.layer_arrays(0), cache.layer_offset(0)
+    n = cache.quantized_end(0) - cache.config.sink_rows
+    out = {name: a[name][:, :, :n] for name in ("k_codes", "k_norms", "v_codes", "v_norms") if name in a}
+    out.update({name: a[name] for name in ("k_sinks", "v_sinks", "k_mean") if name in a})
+    lo = max(cache.config.sink_rows, cache.quantized_end(0))
+    for side in "kv":
+        out[side] = ring_rows(a[f"{side}_recent"], lo, off, cache.recent_capacity(0))
+    return out
+
+
+def test_ring_gives_back_a_chunks_room():
+    """A chunk's write takes room for its rows in the FP16 ring (window + unfinished block +
+    the chunk), and the next decode step gives it back (window + unfinished block +
+    RING_SLACK_ROWS): the layer holds the same codes and window rows, and its attention
+    matches one-token steps, across chunks between steps, a trim before a chunk, a file
+    round trip and a second trim."""
+    from turbospark_mlx.cache.window import RING_SLACK_ROWS
+
+    L = 560
+    k, v, q = data(L, bias=2.0)
+    config = protected(window=16, sinks=4, commit=4)
+    U = config.uncommitted_rows
+    ops = [128, 100, *[1] * 30, ("trim", 20), 120, *[1] * 20, 7, *[1] * 10, 128]
+    small = U + RING_SLACK_ROWS
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=128)
+    chunked = _replay(cache, k, v, q, ops)
+    end = sum(o if isinstance(o, int) else -o[1] for o in ops)
+    assert cache.recent_capacity(0) == U + 128 and cache.layer_arrays(0)["k_recent"].shape[2] == U + 128
+    steps_cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=1)
+    steps = _replay(steps_cache, k, v, q, [1] * end)
+    assert_same_state({0: _codes_and_window(cache)}, {0: _codes_and_window(steps_cache)})
+    for t in range(end):
+        assert mx.allclose(chunked[t], steps[t], atol=1e-5, rtol=1e-5).item(), t
+
+    one = q[:, :, end : end + 1]
+    store_kv(cache, 0, end, k[:, :, end : end + 1], v[:, :, end : end + 1])  # a decode step
+    store_kv(steps_cache, 0, end, k[:, :, end : end + 1], v[:, :, end : end + 1])
+    assert cache.recent_capacity(0) == small and cache.layer_arrays(0)["k_recent"].shape[2] == small
+    assert mx.allclose(attention_any(cache, 0, one, end), attention_any(steps_cache, 0, one, end), atol=1e-5).item()
+    end += 1
+
+    loaded = KVCacheManager.from_file(cache.save(str(_tmp_dir() / "ring.safetensors")))
+    assert loaded.recent_capacity(0) == small
+    qq = q[:, :, end - 1 : end]
+    before = attention_any(cache, 0, qq, end - 1)
+    assert mx.array_equal(attention_any(loaded, 0, qq, end - 1), before).item()
+    for c in (cache, loaded):
+        with pytest.raises(ValueError, match=f"keeps only {RING_SLACK_ROWS} FP16 rows"):
+            c.trim(RING_SLACK_ROWS + 1)
+        c.trim(40)
+        # The ring's slots past the new end hold the trimmed rows until written again, so a
+        # second trim may give back only what the first left.
+        with pytest.raises(ValueError, match="no longer holds positions"):
+            c.trim(RING_SLACK_ROWS - 40 + 1)
+        c.trim(RING_SLACK_ROWS - 40)
+        p = end - RING_SLACK_ROWS
+        store_kv(c, 0, p, k[:, :, p:end], v[:, :, p:end])
+        assert mx.array_equal(attention_any(c, 0, qq, end - 1), before).item()
+
+
+def test_trims_and_a_small_write_after_them_keep_to_the_rows_held():
+    """Two trims give back no more than the ring held before the first (its slots past the new
+    end hold the trimmed rows until written again); a write that shrinks the ring after a trim
+    keeps only rows the ring still held, and a later trim stops there."""
+    L = 300
+    k, v, q = data(L, bias=2.0)
+    config = protected(window=16, sinks=4, commit=4)  # 19 uncommitted rows
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=64)  # ring of 83
+    _replay(cache, k, v, q, [64, 64, 64])
+    cache.trim(30)
+    with pytest.raises(ValueError, match="no longer holds positions"):
+        cache.trim(35)  # 65 in all, beyond the 64 rows past the window the ring held
+    cache.trim(34)
+
+    cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=128)
+    _replay(cache, k, v, q, [128, 128, ("trim", 100), 7])  # the ring of 147 held 109..255
+    with pytest.raises(ValueError, match="no longer holds positions"):
+        cache.trim(36)  # 163 - 36 - 19 < 109
+    cache.trim(35)
+    steps = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=1)
+    _replay(steps, k, v, q, [1] * 160)
+    store_kv(cache, 0, 128, k[:, :, 128:160], v[:, :, 128:160])
+    out = attention_any(cache, 0, q[:, :, 159:160], 159)
+    assert mx.allclose(out, attention_any(steps, 0, q[:, :, 159:160], 159), atol=1e-5).item()
+
+
+def _tmp_dir():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp())
+
+
+@pytest.mark.parametrize("chunk,prompt", [(8, 24), (96, 96)])
 @pytest.mark.parametrize("commit", [1, 4])
-def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
+def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit, chunk, prompt):
     """The CUDA decode step's own path (attention.ProtectedStep) keeps the cache as store_kv
     does: with its kernels replaced by their references on the CPU (the commit quantizes
     the rows leaving the window with quantize_ref; the attention is not computed), the FP16
@@ -283,16 +399,17 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
             return mx.zeros_like(queries)
 
     config = protected(window=8, sinks=2, commit=commit)
-    fast = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=8, step=16)
-    k, v, q = data(120, bias=2.0)
-    for p in range(0, 24, 8):  # past sink + window rows: codes and a key mean exist
-        store_kv(fast, 0, p, k[:, :, p : p + 8], v[:, :, p : p + 8])
+    # A 96-row chunk leaves the ring 96 rows of room, which the first step gives back.
+    fast = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=chunk, step=16)
+    k, v, q = data(prompt + 96, bias=2.0)
+    for p in range(0, prompt, chunk):  # past sink + window rows: codes and a key mean exist
+        store_kv(fast, 0, p, k[:, :, p : p + chunk], v[:, :, p : p + chunk])
     general = copy.deepcopy(fast)
     monkeypatch.setattr(window, "tq_commit", commit_ref)
     monkeypatch.setattr(attention, "mma_launch", lambda *a, **kw: Mma())
     monkeypatch.setattr(attention._backend, "current_backend", lambda: "cuda")
     steps = 0
-    for p in range(24, 120):
+    for p in range(prompt, prompt + 96):
         rows = (k[:, :, p : p + 1], v[:, :, p : p + 1])
         steps += attention._planned_step(fast, 0, q[:, :, :1], *rows, p, None, None, 0) is not None
         attention.store_and_attend(fast, 0, q[:, :, :1], *rows, p)
@@ -304,7 +421,8 @@ def test_cuda_decode_step_bookkeeping_equals_general_path(monkeypatch, commit):
         assert sorted(got) == sorted(want)
         for name in want:
             assert got[name].shape == want[name].shape and mx.array_equal(got[name], want[name]).item(), (p, name)
-    assert steps == 120 - 24  # every step took the own path (the ring is full from position 16 on)
+    assert steps == 96  # every step took the own path (the ring is full from position 16 on)
+    assert fast.recent_capacity(0) == config.uncommitted_rows + min(chunk, 64)
 
 
 def test_cuda_decode_step_plan_follows_the_call(monkeypatch):

@@ -309,14 +309,16 @@ def test_protected_layers_match_reference(d, kv, max_kv_size, commit):
 @pytest.mark.parametrize("window", [128, 256])
 @pytest.mark.parametrize("commit", [1, 64])
 @pytest.mark.parametrize("kv,batch,d", [("tq4", 1, 128), ("k8v4", 2, 64), ("tq3", 1, 128)])
-def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window):
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window, chunk):
     """A decode step of a protected layer on CUDA (`store_and_attend`, ProtectedStep): the
     tensor-core kernel, which reads the codes and the FP16 rows, and `tq_commit` on a step that
     completes a commit block; nothing else. Output and every cache array equal the general
     path's (store_kv + attention_any) bit for bit, a second run of the same step is identical,
     and it matches the reference. The prompt is the window and 128 positions more; with blocks
     of 64 the four steps after it end with a commit (a 128-row window: positions 196-259 leave
-    the FP16 rows)."""
+    the FP16 rows). With 128-row chunks the first step gives back the ring's room for them
+    (`window.fit`) before the step is planned, as the general path's write does."""
     import copy
 
     from turbospark_mlx.attention import store_and_attend
@@ -325,10 +327,10 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window):
     # Windows of 128 rows (k8v4's) and 256 (tq4's; tq3 ships 512): the four steps read codes
     # with either block size.
     config = get_preset(kv).with_(window_rows=window, commit_rows=commit)
-    fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=64)
+    fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=chunk)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
-    for m in [64] * ((window + 128) // 64):
+    for m in [chunk] * ((window + 128) // chunk):
         k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
         v = mx.random.normal((batch, 2, m, d)).astype(mx.float16)
         with use_backend(BACKEND):
@@ -358,6 +360,7 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window):
         for name, a in fast.layer_arrays(0).items():
             assert mx.array_equal(a, general.layer_arrays(0)[name]).item(), name
         assert rel_l2(out, ref) < 5e-3, rel_l2(out, ref)
+        assert fast.recent_capacity(0) == config.uncommitted_rows + 64
         pos += 1
     assert seen == ({True} if commit == 1 else {True, False})
 

@@ -683,6 +683,7 @@ def _new_protected_step(cache, l, queries, scale, sinks, starts: bool) -> Protec
     one configuration (TABLES, per quantizer); None if the tensor-core kernel cannot take it."""
     if queries.shape[2] != 1:  # a decode step: the fused multi-row commit has no GPU test
         return None
+    window.fit(cache, l, l.offset, 1)  # a chunk's room given back before the step is planned
     config, a = cache.config, l.arrays
     scale = l.spec.head_dim**-0.5 if scale is None else scale
     cached = TABLES.get(l.quant.k) or TABLES.setdefault(l.quant.k, {})

@@ -47,6 +47,7 @@ def _meta(cache) -> dict[str, str]:
         "step": str(cache.step),
         "offsets": json.dumps({str(i): l.offset for i, l in layers.items()}),
         "capacities": json.dumps({str(i): l.capacity for i, l in layers.items()}),
+        "ring_from": json.dumps({str(i): l.recent_from for i, l in layers.items() if l.recent_capacity}),
         "fingerprints": json.dumps(fingerprints),
     }
 
@@ -125,6 +126,7 @@ def load(path: str, cls: type, return_metadata: bool = False):
         )
         offsets = {int(k): v for k, v in json.loads(meta["offsets"]).items()}
         capacities = {int(k): v for k, v in json.loads(meta["capacities"]).items()}
+        ring_from = {int(k): int(v) for k, v in json.loads(meta.get("ring_from", "{}")).items()}
         fingerprints = json.loads(meta["fingerprints"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"KV cache file {path!r} has invalid metadata: {e}") from None
@@ -156,6 +158,12 @@ def load(path: str, cls: type, return_metadata: bool = False):
                 raise ValueError(f"KV cache file {path!r}: {e}") from None
             l.arrays[name] = a
         l.capacity, l.offset = cap, off
+        if l.recent_capacity:
+            try:
+                window.check_ring(cache, i, l, l.arrays["k_recent"].shape[2], off)
+            except ValueError as e:
+                raise ValueError(f"KV cache file {path!r}: {e}") from None
+            window.adopt(cache, l, min(max(ring_from.get(i, 0), 0), off))
     if set(tensors) != set(_tensors(cache)):
         raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
     if return_metadata:

@@ -59,9 +59,12 @@ class _Layer:
     # First positions kept in FP16 apart from the ring (a protected layer, a bounded FP16 ring).
     sink_rows: int = 0
     # A protected TurboQuant layer (window / sink rows / centring): slots of its FP16 ring of
-    # recent rows (window_rows + commit_rows - 1 + max_rows, so an M-row chunk never overwrites
-    # a row it needs).
+    # recent rows, position p in slot p % recent_capacity: window_rows + commit_rows - 1 and room
+    # for the write (`window.ring_modulus`; up to max_rows, so an M-row chunk never overwrites
+    # a row it needs). recent_from: no position below it is held (set by a trim or a re-lay).
     recent_capacity: int = 0
+    recent_from: int = 0
+    recent_max: int = 0  # the largest modulus, the ring's length at its largest (fixed_layout)
     arrays: dict[str, mx.array] = field(default_factory=dict)
     capacity: int = 0
     offset: int = 0
@@ -216,7 +219,7 @@ class KVCacheManager:
             ring = None if keep is None else keep - self.config.window_rows + self.max_rows - 1
             # The ring: the uncommitted rows a query may read at most, and an M-row write.
             recent = self.config.uncommitted_rows + self.max_rows
-            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=recent)
+            return _Layer(spec, quant, ring, keep, sinks, recent_capacity=recent, recent_max=recent)
         # A ring keeps max_rows - 1 positions beyond its window, so an
         # M-row write never overwrites a key that a row of the same chunk needs.
         ring = None if keep is None else keep + self.max_rows - 1
@@ -334,8 +337,9 @@ class KVCacheManager:
         """Drop the last n positions of every layer; returns n.
 
         A ring can give back at most the positions it keeps beyond its window
-        (max_rows); older ones were overwritten. A protected layer can give back the
-        max_rows FP16 rows its ring keeps beyond the window (its codes then follow).
+        (max_rows); older ones were overwritten. A protected layer can give back the FP16
+        rows its ring holds beyond its uncommitted rows (RING_SLACK_ROWS between chunks, a
+        chunk's rows after one; its codes then follow), counted from before an earlier trim.
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"trim needs a non-negative int, got {n!r}")
@@ -352,13 +356,22 @@ class KVCacheManager:
                     )
             # A write not yet committed took ring slots of the oldest rows beyond the window.
             written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
-            if l.recent_capacity and n > self.max_rows - written:
+            beyond = l.recent_capacity - self.config.uncommitted_rows - written
+            if l.recent_capacity and n > beyond:
                 raise ValueError(
-                    f"cannot trim {n} positions: layer {i} keeps only {self.max_rows - written} FP16 rows "
+                    f"cannot trim {n} positions: layer {i} keeps only {beyond} FP16 rows "
                     "beyond its window to quantize again"
                     + (f" ({written} ring slots hold an uncommitted write)" if written else "")
                 )
-        for l in self._layers.values():
+            if l.recent_capacity and max(0, l.offset - n - self.config.uncommitted_rows) < l.recent_from:
+                raise ValueError(
+                    f"cannot trim {n} positions: layer {i}'s FP16 ring no longer holds positions "
+                    f"below {l.recent_from} (an earlier trim, or a chunk's write, took their slots)"
+                )
+        for i, l in self._layers.items():
+            if l.recent_capacity:  # the slots past the new end are the next write's
+                written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
+                l.recent_from = max(l.recent_from, l.offset + written - l.recent_capacity)
             l.offset -= n
         self.stage.pending.clear()
         return n
@@ -459,6 +472,7 @@ class KVCacheManager:
         l = self._check_rows(target.layer, target.position, rows)
         M = rows.shape[2]
         if l.recent_capacity:
+            window.fit(self, l, target.position, M)  # the ring's room for M rows (both sides at once)
             window.write(self, l, target.side, target.position, rows.astype(self.dtype))
         elif target.staged:
             buf = self.stage.buffers(l.spec.n_kv_heads, l.spec.head_dim)
@@ -652,10 +666,8 @@ class KVCacheManager:
         if not isinstance(offset, int) or offset < 0 or (held is not None and offset > held):
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")
         recent = arrays.get("k_recent")
-        if recent is not None and recent.shape[2] < l.recent_capacity and offset > recent.shape[2]:
-            raise ValueError(
-                f"layer {layer}: offset {offset} needs a full FP16 ring, {recent.shape[2]} slots given"
-            )
+        if recent is not None:
+            window.check_ring(self, layer, l, recent.shape[2], offset)
         codes_needed = self.quantized_end(layer, offset) - self.config.sink_rows if l.recent_capacity else 0
         if held is not None and codes_needed > cap:
             raise ValueError(f"layer {layer}: {offset} positions need more codes than the {cap} given")
@@ -664,6 +676,8 @@ class KVCacheManager:
         if not arrays:  # emptied: a protected layer starts over with empty fixed arrays
             arrays = self._empty_fixed(l)
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
+        if l.recent_capacity:
+            window.adopt(self, l)
         for side in SIDES:
             self.stage.pending.pop((layer, side), None)
 

@@ -22,7 +22,7 @@ def fixed_layout(l, config, batch_size: int, dtype: mx.Dtype) -> dict[str, tuple
     B, H, D = batch_size, l.spec.n_kv_heads, l.spec.head_dim
     out = {}
     if l.recent_capacity:
-        out.update({f"{s}_recent": ((B, H, l.recent_capacity, D), dtype) for s in SIDES})
+        out.update({f"{s}_recent": ((B, H, l.recent_max, D), dtype) for s in SIDES})
     if l.recent_capacity or l.sink_rows:
         out.update({f"{s}_sinks": ((B, H, l.sink_rows, D), dtype) for s in SIDES})
     if l.recent_capacity and config.center_keys:
@@ -49,9 +49,77 @@ def check_fixed(layer: int, name: str, a: mx.array, want: tuple, dtype: mx.Dtype
         raise ValueError(f"layer {layer}: {name} is {(a.shape, a.dtype)}, expected {(want, dtype)}")
 
 
+# Ring slots a protected layer keeps beyond its uncommitted rows between writes of more rows
+# (prefill chunks): room for a decode step, a speculative verify and the trim after it, without
+# the max_rows slots a chunk needs (docs/cache_design.md, "The ring's room for a chunk").
+RING_SLACK_ROWS = 64
+
+
+def ring_modulus(cache, m: int) -> int:
+    """Slots of a protected layer's ring for an m-row write: its uncommitted rows (the FP16 rows
+    a query may read) and room for the write, at least `RING_SLACK_ROWS` (up to max_rows)."""
+    return cache.config.uncommitted_rows + max(m, min(cache.max_rows, RING_SLACK_ROWS))
+
+
+def fit(cache, l, position: int, m: int) -> None:
+    """Give an unbounded protected layer's ring the modulus an m-row write at `position` needs
+    (`ring_modulus`), re-laying its rows where the modulus changes: a chunk's write takes room
+    for its rows, the next decode step gives it back. The rows kept are the newest
+    modulus - m before `position`; the old ring holds them all (its modulus was at least
+    uncommitted_rows + RING_SLACK_ROWS), so after the write every slot holds a position and
+    `trim` may give back modulus - uncommitted_rows rows, as with a fixed ring."""
+    T, R = ring_modulus(cache, m), l.recent_capacity
+    if T == R or l.keep is not None:  # a bounded layer's codes ring is sized for max_rows
+        return
+    names = [f"{s}_recent" for s in SIDES]
+    n = l.arrays[names[0]].shape[2]
+    if position <= n <= T and position + m <= T:  # unwrapped, and stays so: slot p is slot p
+        l.recent_capacity = T
+        return
+    lo = max(0, position - (T - m), held_from(l, R))
+    size = T if position + m > T else min(T, -(-position // cache.step) * cache.step)
+    for name in names:
+        ring = l.arrays[name]
+        rows = ring_rows(ring, lo, position, R)
+        new = mx.zeros((*ring.shape[:2], size, ring.shape[3]), dtype=ring.dtype)
+        s0 = lo % T
+        first = min(position - lo, T - s0)
+        new[:, :, s0 : s0 + first] = rows[:, :, :first]
+        if first < position - lo:
+            new[:, :, : position - lo - first] = rows[:, :, first:]
+        l.arrays[name] = new
+    l.recent_capacity, l.recent_from = T, lo
+
+
+def check_ring(cache, layer: int, l, n: int, offset: int) -> None:
+    """A ring of n slots given from outside (files, adapters) for `offset` positions: one the
+    offset runs past has wrapped at n slots, which must hold the uncommitted rows and the
+    room of a decode step (`ring_modulus`); a bounded layer's ring wraps only when full."""
+    if offset <= n:
+        return
+    least = l.recent_max if l.keep is not None else ring_modulus(cache, 1)
+    if n < least:
+        raise ValueError(f"layer {layer}: offset {offset} needs an FP16 ring of at least {least} slots, {n} given")
+
+
+def adopt(cache, l, recent_from: int = 0) -> None:
+    """Take the modulus of a ring given from outside (after `check_ring`): its length where the
+    offset runs past it, else the largest (slot p is slot p either way)."""
+    n = l.arrays["k_recent"].shape[2]
+    l.recent_capacity = n if l.offset > n else l.recent_max
+    l.recent_from = recent_from
+
+
+def held_from(l, capacity: int | None = None) -> int:
+    """The oldest position a protected layer's ring holds (before a pending write): the newest
+    `capacity` positions up to its offset, and none that a trim left behind or a re-lay dropped
+    (`_Layer.recent_from`)."""
+    return max(l.recent_from, l.offset - (capacity or l.recent_capacity))
+
+
 def write(cache, l, side: str, position: int, rows: mx.array) -> None:
     """M rows of one side straight into the FP16 ring (and the sink rows), which is the
-    layer's staging: the ring keeps max_rows slots beyond the rows a query may read in FP16
+    layer's staging: the ring keeps room for the write beyond the rows a query may read in FP16
     (window_rows + commit_rows - 1), so the slots an M <= max_rows write takes hold rows
     that already have codes and that neither this commit's quantize nor a trim of the
     committed positions reads."""
