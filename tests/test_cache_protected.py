@@ -349,6 +349,12 @@ def test_trims_and_a_small_write_after_them_keep_to_the_rows_held():
     with pytest.raises(ValueError, match="no longer holds positions"):
         cache.trim(35)  # 65 in all, beyond the 64 rows past the window the ring held
     cache.trim(34)
+    # A ring given from outside that the offset runs past must hold a decode step's room.
+    arrays = dict(cache.layer_arrays(0))
+    arrays.update({s: arrays[s][:, :, :50] for s in ("k_recent", "v_recent")})
+    with pytest.raises(ValueError, match="needs an FP16 ring of at least 83 slots, 50 given"):
+        cache.set_layer_arrays(0, arrays, cache.layer_offset(0))
+    assert cache.recent_capacity(0) == 83 and cache.layer_arrays(0)["k_recent"].shape[2] == 83
 
     cache = KVCacheManager([LayerSpec(HKV, D)], config, batch_size=B, max_rows=128)
     _replay(cache, k, v, q, [128, 128, ("trim", 100), 7])  # the ring of 147 held 109..255

@@ -99,7 +99,9 @@ def check_ring(cache, layer: int, l, n: int, offset: int) -> None:
         return
     least = l.recent_max if l.keep is not None else ring_modulus(cache, 1)
     if n < least:
-        raise ValueError(f"layer {layer}: offset {offset} needs an FP16 ring of at least {least} slots, {n} given")
+        raise ValueError(
+            f"layer {layer}: offset {offset} needs an FP16 ring of at least {least} slots, {n} given"
+        )
 
 
 def adopt(cache, l, recent_from: int = 0) -> None:
