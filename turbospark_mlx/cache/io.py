@@ -163,7 +163,7 @@ def load(path: str, cls: type, return_metadata: bool = False):
                 window.check_ring(cache, i, l, l.arrays["k_recent"].shape[2], off)
             except ValueError as e:
                 raise ValueError(f"KV cache file {path!r}: {e}") from None
-            window.adopt(cache, l, min(max(ring_from.get(i, 0), 0), off))
+            window.adopt(l, min(max(ring_from.get(i, 0), 0), off))
     if set(tensors) != set(_tensors(cache)):
         raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
     if return_metadata:

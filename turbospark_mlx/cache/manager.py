@@ -343,6 +343,10 @@ class KVCacheManager:
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"trim needs a non-negative int, got {n!r}")
+        # A write not yet committed took ring slots of the oldest rows beyond the window.
+        written: dict[int, int] = {}
+        for (j, _), (_, m) in self.stage.pending.items():
+            written[j] = max(written.get(j, 0), m)
         for i, l in self._layers.items():
             if n > l.offset:
                 raise ValueError(f"cannot trim {n} positions: layer {i} holds only {l.offset}")
@@ -354,14 +358,13 @@ class KVCacheManager:
                         f"cannot trim {n} positions: sliding layer {i} keeps only "
                         f"{l.ring_capacity - l.keep + 1} positions beyond its window"
                     )
-            # A write not yet committed took ring slots of the oldest rows beyond the window.
-            written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
-            beyond = l.recent_capacity - self.config.uncommitted_rows - written
+            w = written.get(i, 0)
+            beyond = l.recent_capacity - self.config.uncommitted_rows - w
             if l.recent_capacity and n > beyond:
                 raise ValueError(
                     f"cannot trim {n} positions: layer {i} keeps only {beyond} FP16 rows "
                     "beyond its window to quantize again"
-                    + (f" ({written} ring slots hold an uncommitted write)" if written else "")
+                    + (f" ({w} ring slots hold an uncommitted write)" if w else "")
                 )
             if l.recent_capacity and max(0, l.offset - n - self.config.uncommitted_rows) < l.recent_from:
                 raise ValueError(
@@ -370,8 +373,7 @@ class KVCacheManager:
                 )
         for i, l in self._layers.items():
             if l.recent_capacity:  # the slots past the new end are the next write's
-                written = max((m for (j, _), (_, m) in self.stage.pending.items() if j == i), default=0)
-                l.recent_from = max(l.recent_from, l.offset + written - l.recent_capacity)
+                l.recent_from = max(l.recent_from, l.offset + written.get(i, 0) - l.recent_capacity)
             l.offset -= n
         self.stage.pending.clear()
         return n
@@ -677,7 +679,7 @@ class KVCacheManager:
             arrays = self._empty_fixed(l)
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
         if l.recent_capacity:
-            window.adopt(self, l)
+            window.adopt(l)
         for side in SIDES:
             self.stage.pending.pop((layer, side), None)
 

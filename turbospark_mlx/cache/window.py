@@ -76,17 +76,13 @@ def fit(cache, l, position: int, m: int) -> None:
     if position <= n <= T and position + m <= T:  # unwrapped, and stays so: slot p is slot p
         l.recent_capacity = T
         return
-    lo = max(0, position - (T - m), held_from(l, R))
+    # The ring holds the newest R positions up to the offset, less any a trim or re-lay dropped.
+    lo = max(0, position - (T - m), position - R, l.recent_from)
     size = T if position + m > T else min(T, -(-position // cache.step) * cache.step)
     for name in names:
         ring = l.arrays[name]
-        rows = ring_rows(ring, lo, position, R)
         new = mx.zeros((*ring.shape[:2], size, ring.shape[3]), dtype=ring.dtype)
-        s0 = lo % T
-        first = min(position - lo, T - s0)
-        new[:, :, s0 : s0 + first] = rows[:, :, :first]
-        if first < position - lo:
-            new[:, :, : position - lo - first] = rows[:, :, first:]
+        put_rows(new, lo, ring_rows(ring, lo, position, R), T)
         l.arrays[name] = new
     l.recent_capacity, l.recent_from = T, lo
 
@@ -104,19 +100,12 @@ def check_ring(cache, layer: int, l, n: int, offset: int) -> None:
         )
 
 
-def adopt(cache, l, recent_from: int = 0) -> None:
+def adopt(l, recent_from: int = 0) -> None:
     """Take the modulus of a ring given from outside (after `check_ring`): its length where the
     offset runs past it, else the largest (slot p is slot p either way)."""
     n = l.arrays["k_recent"].shape[2]
     l.recent_capacity = n if l.offset > n else l.recent_max
     l.recent_from = recent_from
-
-
-def held_from(l, capacity: int | None = None) -> int:
-    """The oldest position a protected layer's ring holds (before a pending write): the newest
-    `capacity` positions up to its offset, and none that a trim left behind or a re-lay dropped
-    (`_Layer.recent_from`)."""
-    return max(l.recent_from, l.offset - (capacity or l.recent_capacity))
 
 
 def write(cache, l, side: str, position: int, rows: mx.array) -> None:
@@ -136,8 +125,15 @@ def write(cache, l, side: str, position: int, rows: mx.array) -> None:
     if position < S:
         n = min(S, end) - position
         l.arrays[f"{side}_sinks"][:, :, position : position + n] = rows[:, :, :n]
-    start = position % R
-    first = min(m, R - start)
+    put_rows(ring, position, rows, R)
+
+
+def put_rows(ring: mx.array, position: int, rows: mx.array, capacity: int) -> None:
+    """Rows of positions [position, position + M) into slots p % capacity of `ring`, in place:
+    one slice update, or two where the range wraps."""
+    m = rows.shape[2]
+    start = position % capacity
+    first = min(m, capacity - start)
     ring[:, :, start : start + first] = rows if first == m else rows[:, :, :first]
     if first < m:
         ring[:, :, : m - first] = rows[:, :, first:]
