@@ -7,10 +7,19 @@ from conftest import assert_same_state, committed_state, plain
 
 from turbospark_mlx import KVCacheManager, LayerSpec, TurboQuantConfig, attention_any, get_preset, store_kv
 from turbospark_mlx.attention import attention_mask
+from turbospark_mlx.gpu.backend import use_backend
 from turbospark_mlx.quant import dequantize_ref
 from turbospark_mlx.quant.reference import fp16_attention_ref
 
 B, HKV, G, D = 2, 2, 3, 64
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend_on_the_cpu():
+    """These tests hold the reference backend to float32 rounding (1e-5), so they run it on the
+    CPU wherever they run; the kernels' own tests (tests/test_gpu_kernels.py) check the GPU."""
+    with use_backend("reference"), mx.stream(mx.cpu):
+        yield
 
 
 def protected(window=16, sinks=4, center=True, base="tq4", commit=1) -> TurboQuantConfig:
