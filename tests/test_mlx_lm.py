@@ -16,7 +16,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
-from turbospark_mlx import TurboQuantConfig  # noqa: E402
+from turbospark_mlx import TurboQuantConfig, get_preset  # noqa: E402
 from turbospark_mlx.mlx_lm import (  # noqa: E402
     TurboSparkBatchKVCache,
     TurboSparkKVCache,
@@ -460,6 +460,36 @@ def test_prompt_cache_file_digest_and_fresh_process(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "150", out.stderr[-2000:]
+
+
+def test_round_trip_keeps_the_rings_trim_bound(tmp_path, monkeypatch):
+    """A state saved after a trim carries the oldest position the FP16 ring still holds, so
+    the loaded cache refuses the same second trim the saved one refuses (the trimmed rows'
+    slots were written again); a state saved without it loads with a fresh ring's bound."""
+    from turbospark_mlx.mlx_lm import cache as drop_in
+    from turbospark_mlx.mlx_lm import save_prompt_cache
+
+    config = get_preset("tq4").with_(name="p", window_rows=16, sink_rows=4, commit_rows=4)
+    cache = TurboSparkKVCache(config, max_rows=64)  # 19 uncommitted rows: a ring of 83
+    q, k, v = (mx.random.normal((1, n, 192, 64)) for n in (4, 2, 2))
+    for a in range(0, 192, 64):
+        cache.attend(q[:, :, a : a + 64], k[:, :, a : a + 64], v[:, :, a : a + 64], scale=0.125)
+    assert cache.trim(30) == 30 and cache._kv.ring_from(0) == 109  # the ring holds 109..191
+    path = str(tmp_path / "p.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert loaded._kv.ring_from(0) == 109
+    for c in (cache, loaded):
+        with pytest.raises(ValueError, match="no longer holds positions"):
+            c.trim(35)  # 127 - 19 < 109
+        assert c.offset == 162 and c.trim(34) == 34
+    assert TurboSparkKVCache.from_state(cache.state[:-1])._kv.ring_from(0) == 0
+    monkeypatch.setattr(drop_in, "_legacy_protocol", lambda: True)  # mlx-lm 0.31's arrays + strings
+    legacy = TurboSparkKVCache.from_state(cache.state, cache.meta_state)
+    assert legacy.offset == 128 and legacy._kv.ring_from(0) == cache._kv.ring_from(0) == 109
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="ring_from"):
+        TurboSparkKVCache.from_state((*cache.state[:-1], cache.offset + 1))
 
 
 BOUNDED = TurboQuantConfig("k8v4", 8, 4).with_(name="k8v4-w8", window_rows=8, sink_rows=4, center_keys=True)

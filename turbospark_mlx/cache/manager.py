@@ -537,6 +537,12 @@ class KVCacheManager:
         for other layers."""
         return self._layer(layer).recent_capacity
 
+    def ring_from(self, layer: int) -> int:
+        """The oldest position a protected layer's FP16 ring still holds (a trim or a re-lay
+        raises it; 0 for other layers). Adapters that save `layer_arrays` save it beside them
+        and give it back to `set_layer_arrays`, so a later trim keeps to the rows held."""
+        return self._layer(layer).recent_from
+
     def recent_positions(self, layer: int, end: int) -> mx.array:
         """Position held by each slot of a protected layer's recent ring once `end` positions
         are written (-1: not written)."""
@@ -620,14 +626,17 @@ class KVCacheManager:
         pos = s + cap * ((end - 1 - s) // cap)
         return mx.where(s < end, pos, -1)
 
-    def set_layer_arrays(self, layer: int, arrays: dict[str, mx.array], offset: int) -> None:
+    def set_layer_arrays(
+        self, layer: int, arrays: dict[str, mx.array], offset: int, ring_from: int = 0
+    ) -> None:
         """Replace a layer's storage with `arrays` (named as `layer_arrays` gives them).
 
         For adapters that hold storage between calls in another form (mlx-lm's
         prompt-cache files, batch merge / filter): a growing layer, or a bounded
         (max_kv_size) protected layer, whose codes ring maps slots to positions from
-        `offset` alone. Everything is checked before anything changes; `arrays` = {}
-        with offset 0 empties the layer.
+        `offset` alone. `ring_from` is `ring_from(layer)` of the cache the arrays came
+        from. Everything is checked before anything changes; `arrays` = {} with offset 0
+        empties the layer.
         """
         if not 0 <= layer < self.n_layers or layer not in self._layers:
             raise ValueError(f"layer {layer} does not own storage in this {self.n_layers}-layer cache")
@@ -667,6 +676,8 @@ class KVCacheManager:
             held = None
         if not isinstance(offset, int) or offset < 0 or (held is not None and offset > held):
             raise ValueError(f"layer {layer}: offset {offset!r} outside the {held} positions given")
+        if not isinstance(ring_from, int) or not 0 <= ring_from <= offset:
+            raise ValueError(f"layer {layer}: ring_from {ring_from!r} outside [0, offset {offset}]")
         recent = arrays.get("k_recent")
         if recent is not None:
             window.check_ring(self, layer, l, recent.shape[2], offset)
@@ -679,7 +690,7 @@ class KVCacheManager:
             arrays = self._empty_fixed(l)
         l.arrays, l.capacity, l.offset = dict(arrays), cap, offset
         if l.recent_capacity:
-            window.adopt(l)
+            window.adopt(l, ring_from)
         for side in SIDES:
             self.stage.pending.pop((layer, side), None)
 

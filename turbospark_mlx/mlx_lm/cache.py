@@ -223,7 +223,10 @@ class TurboSparkKVCache:
         self._setup(config, int(max_rows), int(q_block), dtype_name or None, bound)
         self.shape = (int(n_kv_heads), int(head_dim))
 
-    def _restore(self, arrays: Sequence, offset: int) -> None:
+    def _ring_from(self) -> int:
+        return 0 if self._kv is None else self._kv.ring_from(0)
+
+    def _restore(self, arrays: Sequence, offset: int, ring_from: int = 0) -> None:
         """Rebuild the manager from stored arrays (None or empty when nothing was written)."""
         if len(arrays) != len(self._names()):
             raise ValueError(f"{type(self).__name__}: state has {len(arrays)} arrays, expected {len(self._names())}")
@@ -234,7 +237,7 @@ class TurboSparkKVCache:
                 raise ValueError(f"{type(self).__name__}: state has offset {offset} but no storage arrays")
             return
         self._kv = self._manager(next(iter(named.values())).shape[0])
-        self._kv.set_layer_arrays(0, named, int(offset))
+        self._kv.set_layer_arrays(0, named, int(offset), int(ring_from))
 
     @property
     def offset(self) -> int:
@@ -269,7 +272,7 @@ class TurboSparkKVCache:
         arrays = tuple(self._arrays().get(n) for n in self._names())
         if _legacy_protocol():
             return arrays
-        return (*arrays, self.offset, *self._config_meta())
+        return (*arrays, self.offset, *self._config_meta(), self._ring_from())
 
     @state.setter
     def state(self, v):
@@ -277,24 +280,29 @@ class TurboSparkKVCache:
         if len(v) <= 9:  # 0.31: arrays only; meta_state follows (it rebuilds the manager)
             self._pending_arrays = v
             return
-        # Arrays, the offset, then the config entries from its JSON on (6, or 7 with max_kv_size).
+        # Arrays, the offset, then the config entries from its JSON on (6, or 7 with
+        # max_kv_size) and the ring's oldest held position (states saved without it: 0).
         at = next((i for i, x in enumerate(v) if isinstance(x, str)), None)
-        if at is None or at < 1 or len(v) - at not in (6, 7):
+        if at is None or at < 1 or len(v) - at not in (6, 7, 8):
             raise ValueError(
                 f"TurboSparkKVCache state of {len(v)} entries is not arrays, an offset and its config"
             )
-        self._set_config_meta(*v[at:])
-        self._restore(v[: at - 1], int(v[at - 1]))
+        meta = v[at:]
+        ring_from = meta.pop() if len(meta) == 8 else 0
+        self._set_config_meta(*meta)
+        self._restore(v[: at - 1], int(v[at - 1]), int(ring_from))
 
     @property
     def meta_state(self):
-        return tuple(str(x) for x in (self.offset, *self._config_meta()))
+        return tuple(str(x) for x in (self.offset, *self._config_meta(), self._ring_from()))
 
     @meta_state.setter
     def meta_state(self, v):
         offset, *meta = v
+        ring_from = meta.pop() if len(meta) == 8 else 0
         self._set_config_meta(*meta)
-        self._restore(getattr(self, "_pending_arrays", [None] * len(self._names())), int(offset))
+        pending = getattr(self, "_pending_arrays", [None] * len(self._names()))
+        self._restore(pending, int(offset), int(ring_from))
         self.__dict__.pop("_pending_arrays", None)
 
     @classmethod
