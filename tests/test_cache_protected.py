@@ -1,12 +1,15 @@
 """Protected TurboQuant layers: an FP16 window of recent rows, FP16 sink rows and key centring
 (preset fields window_rows, sink_rows, center_keys), on the reference backend."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from conftest import assert_same_state, committed_state, plain
 
 from turbospark_mlx import KVCacheManager, LayerSpec, TurboQuantConfig, attention_any, get_preset, store_kv
 from turbospark_mlx.attention import attention_mask
+from turbospark_mlx.cache import io as cache_io
 from turbospark_mlx.gpu.backend import use_backend
 from turbospark_mlx.quant import dequantize_ref
 from turbospark_mlx.quant.reference import fp16_attention_ref
@@ -326,8 +329,17 @@ def test_ring_gives_back_a_chunks_room():
     assert mx.allclose(attention_any(cache, 0, one, end), attention_any(steps_cache, 0, one, end), atol=1e-5).item()
     end += 1
 
-    loaded = KVCacheManager.from_file(cache.save(str(_tmp_dir() / "ring.safetensors")))
+    path = cache.save(str(_tmp_dir() / "ring.safetensors"))
+    loaded = KVCacheManager.from_file(path)
     assert loaded.recent_capacity(0) == small
+    # A held position past the offset (written by a bug, the digest re-signed) is refused.
+    tensors, meta = mx.load(path, return_metadata=True)
+    meta.pop("digest")
+    meta["ring_from"] = json.dumps({"0": end + 1})
+    meta["digest"] = cache_io.digest(tensors, meta)
+    mx.save_safetensors(path, tensors, meta)
+    with pytest.raises(ValueError, match="ring.safetensors.*ring_from"):
+        KVCacheManager.from_file(path)
     qq = q[:, :, end - 1 : end]
     before = attention_any(cache, 0, qq, end - 1)
     assert mx.array_equal(attention_any(loaded, 0, qq, end - 1), before).item()

@@ -159,11 +159,16 @@ def load(path: str, cls: type, return_metadata: bool = False):
             l.arrays[name] = a
         l.capacity, l.offset = cap, off
         if l.recent_capacity:
+            held = ring_from.get(i, 0)
+            if not 0 <= held <= off:
+                raise ValueError(
+                    f"KV cache file {path!r}: layer {i} ring_from {held} outside [0, offset {off}]"
+                )
             try:
                 window.check_ring(cache, i, l, l.arrays["k_recent"].shape[2], off)
             except ValueError as e:
                 raise ValueError(f"KV cache file {path!r}: {e}") from None
-            window.adopt(l, min(max(ring_from.get(i, 0), 0), off))
+            window.adopt(l, held)
     if set(tensors) != set(_tensors(cache)):
         raise ValueError(f"KV cache file {path!r} holds unexpected tensors")
     if return_metadata:
