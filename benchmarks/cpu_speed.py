@@ -90,6 +90,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     out.update(best)
     if contexts:
         out["contexts"] = _context_cost(mx, ts, model, contexts, steps, repeats)
+        out["small_ops"] = _small_op_cost(mx, ts, model, prompt, steps, repeats)
     return out
 
 
@@ -122,6 +123,46 @@ def _context_cost(mx, ts, model, contexts: list[int], steps: int, repeats: int) 
                 ms[kv].append(1e3 * _prefill_and_decode(mx, model, cache, ids, 512, steps)[1])
         out.append({"context": n, **{f"{kv}_ms_per_step": statistics.median(v) for kv, v in ms.items()}})
     return out
+
+
+def _small_op_cost(mx, ts, model, prompt: int, steps: int, repeats: int) -> dict:
+    """Decode ms/step after `prompt` tokens with `ts.load`'s CPU paths for RoPE and RMSNorm
+    (`loading/cpu.py`) and with MLX's own ops in their place, taking turns; medians."""
+    import mlx.nn as nn
+    from turbospark_mlx.loading.cpu import CompiledRMSNorm, TabledRoPE
+
+    swaps = []  # (module, attribute, fast path, MLX's module)
+    for _, m in model.named_modules():
+        for name, child in m.children().items():
+            if isinstance(child, TabledRoPE):
+                swaps.append((m, name, child, child.rope))
+            elif isinstance(child, CompiledRMSNorm):
+                plain = nn.RMSNorm(child.weight.shape[0], eps=child.eps)
+                plain.weight = child.weight
+                swaps.append((m, name, child, plain))
+    ids = mx.array([[(7 * i) % 2000 + 100 for i in range(prompt)]])
+    ms = {"fast": [], "mlx": []}
+    for _ in range(repeats):
+        for kind in ms:
+            for m, name, fast, plain in swaps:
+                setattr(m, name, fast if kind == "fast" else plain)
+            cache = ts.make_cache(model, "k8v4", max_rows=prompt)
+            ms[kind].append(1e3 * _prefill_and_decode(mx, model, cache, ids, prompt, steps)[1])
+    for m, name, fast, _ in swaps:
+        setattr(m, name, fast)
+    ratios = [f / p for f, p in zip(ms["fast"], ms["mlx"])]
+    return {"k8v4_fast_ms": statistics.median(ms["fast"]), "k8v4_mlx_ops_ms": statistics.median(ms["mlx"]),
+            "paired_ratios": ratios, "swapped": len(swaps)}  # fmt: skip
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.platform()
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -157,6 +198,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             for c in r["contexts"]:
                 f, k = c["fp16_ms_per_step"], c["k8v4_ms_per_step"]
                 lines.append(f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x |")
+        if r.get("small_ops"):
+            s = r["small_ops"]
+            ratios = ", ".join(f"{x:.2f}" for x in s["paired_ratios"])
+            lines += [
+                "",
+                f"RoPE and RMSNorm on the CPU ({r['row']}; k8v4, {meta['prompt']} tokens in, {meta['steps']} "
+                f"steps, {meta['repeats']} paired rounds): {s['k8v4_fast_ms']:.1f} ms/step with `ts.load`'s "
+                f"tables and compiled norms ({s['swapped']} modules), {s['k8v4_mlx_ops_ms']:.1f} with MLX's "
+                f"`mx.fast.rope` / `mx.fast.rms_norm`; paired ratios {ratios}.",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +238,7 @@ def main() -> None:
         rows.append({"row": name, **res})
         print(name, json.dumps(res), flush=True)
     meta = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.platform()})",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_name()})",
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "date": time.strftime("%Y-%m-%d"),

@@ -12,12 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .cpu import cpu_fast_paths
 from .gguf import GGUF_ARCHITECTURES, load_gguf, load_gguf_model, read_gguf
 from .hf import load_hf_dir, snapshot
 
 __all__ = [
     "GGUF_ARCHITECTURES",
     "column_major_weights",
+    "cpu_fast_paths",
     "load",
     "load_gguf",
     "load_gguf_model",
@@ -61,7 +63,8 @@ def load(
             (not with lazy): after each group of tensors that reaches 2.5% of the bytes
             (a larger tensor is a group of its own).
     Returns:
-        (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`.
+        (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`. On the CPU its
+        RoPE and RMSNorm modules take the CPU paths of `loading/cpu.py` (`cpu_fast_paths`).
     Raises:
         FileNotFoundError: a path, config, weight file or shard is missing.
         ValueError: unsupported model type or GGUF architecture, or an unreadable file; a
@@ -97,6 +100,8 @@ def load(
         _read_weights(model, progress)
         if mx.default_device() == mx.cpu:
             column_major_weights(model)
+    if mx.default_device() == mx.cpu:
+        cpu_fast_paths(model)
     return model, tokenizer
 
 
