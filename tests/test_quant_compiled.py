@@ -32,6 +32,16 @@ def test_half_word_lookup_equals_per_index_gather(bits, head_dim):
     assert mx.array_equal(got, mx.take(tables.centroids, idx[:, :, 2:7])).item()
 
 
+def test_layers_of_one_codebook_share_one_half_word_table():
+    # One array per codebook keeps a step's lookups in the CPU's caches (quant/tables.py).
+    first, later = side_quant(4, 64, "auto", 0, 0, "k"), side_quant(4, 64, "auto", 7, 29, "v")
+    assert first.rotation is not later.rotation and first.half_word_table is later.half_word_table
+    for other in (side_quant(8, 64, "auto", 0, 0, "k"), side_quant(4, 128, "auto", 0, 0, "k")):
+        assert other.half_word_table is not first.half_word_table
+        want = mx.take(other.centroids, mx.arange(2**other.bits))
+        assert mx.array_equal(other.half_word_table[: 2**other.bits, 0], want).item()
+
+
 def codes_and_rows(quant, B, H, L, Ld, D, seed):
     mx.random.seed(seed)
     k = mx.random.normal((B, H, L, D)) + 2.0
