@@ -8,6 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
+import families
 import turbospark_mlx as ts
 from turbospark_mlx.loading.cpu import CompiledRMSNorm, TabledRoPE, cpu_fast_paths
 from test_loading import CONFIG, random_model, write_hf_dir
@@ -103,3 +104,22 @@ def test_load_on_the_cpu_applies_them(tmp_path):
     assert mx.default_device() == mx.cpu
     kinds = {type(m) for _, m in loaded.named_modules()}
     assert TabledRoPE in kinds and CompiledRMSNorm in kinds and nn.RMSNorm not in kinds
+
+
+@pytest.mark.parametrize("family", sorted(families.CONFIGS))
+def test_every_familys_logits_and_tokens_stay(family):
+    # Sliding windows, partial and proportional rotations, gemma's norms (left as they are), sinks.
+    _, model = families.pair(family)
+    _, fast = families.pair(family)
+    counts = cpu_fast_paths(fast)
+    assert counts["rope"] > 0, counts
+    prompt = mx.array([[5, 9, 14, 3, 22, 40, 7, 11, 2, 60, 33, 18]])
+    for kv in ("fp16", "k8v4"):
+        caches = [ts.make_cache(m, kv) for m in (model, fast)]
+        logits = [m(prompt, cache=c) for m, c in zip((model, fast), caches)]
+        for _ in range(8):
+            scale = 1 + mx.abs(logits[0]).max().item()
+            assert mx.abs(logits[0] - logits[1]).max().item() <= 1e-4 * scale, (family, kv)
+            y = mx.argmax(logits[0][:, -1], -1)[:, None]
+            assert mx.array_equal(y, mx.argmax(logits[1][:, -1], -1)[:, None]).item()
+            logits = [m(y, cache=c) for m, c in zip((model, fast), caches)]
