@@ -288,7 +288,7 @@ class TurboSparkKVCache:
                 f"TurboSparkKVCache state of {len(v)} entries is not arrays, an offset and its config"
             )
         meta = v[at:]
-        ring_from = meta.pop() if len(meta) == 8 else 0
+        ring_from = _pop_ring_from(meta)
         self._set_config_meta(*meta)
         self._restore(v[: at - 1], int(v[at - 1]), int(ring_from))
 
@@ -299,7 +299,7 @@ class TurboSparkKVCache:
     @meta_state.setter
     def meta_state(self, v):
         offset, *meta = v
-        ring_from = meta.pop() if len(meta) == 8 else 0
+        ring_from = _pop_ring_from(meta)
         self._set_config_meta(*meta)
         pending = getattr(self, "_pending_arrays", [None] * len(self._names()))
         self._restore(pending, int(offset), int(ring_from))
@@ -319,6 +319,16 @@ class TurboSparkKVCache:
     def merge(cls, caches: Sequence["TurboSparkKVCache"]) -> "TurboSparkBatchKVCache":
         """A batch cache of copies of these sequences, as BatchKVCache.merge."""
         return TurboSparkBatchKVCache.merge(caches)
+
+
+# Entries of TurboSparkKVCache._config_meta; a state carries the ring's oldest held position after them.
+_CONFIG_ENTRIES = 7
+
+
+def _pop_ring_from(meta: list) -> int:
+    """The ring's oldest held position off the end of a state's config entries; states saved
+    without it (6 or 7 config entries) give 0."""
+    return int(meta.pop()) if len(meta) == _CONFIG_ENTRIES + 1 else 0
 
 
 class TurboSparkBatchKVCache:
