@@ -93,8 +93,12 @@ def test_metrics_match_plain_forward_passes(model):
     result = ev.evaluate(model, None, [TQ2], ids, context, predictions, 0, 16)
     x = mx.array(ids[:context])[None]
     scored = slice(context - 1 - predictions, context - 1)
-    ref = log_softmax(model(x)[0, scored])  # no cache: a fresh FP16 one for the call
-    tq2 = log_softmax(model(x, cache=ts.make_cache(model, kv=TQ2, max_rows=context))[0, scored])
+    # The harness keeps 16-bit rows (fp16_dtype) where the float32 model's default is float32.
+    assert result["row_dtype"] == "float16" and ev.fp16_dtype(model) == mx.float16
+    ref, tq2 = (
+        log_softmax(model(x, cache=ts.make_cache(model, kv=kv, max_rows=context, dtype=mx.float16))[0, scored])
+        for kv in ("fp16", TQ2)
+    )
     targets = mx.array(ids[context - predictions : context])[:, None]
 
     nll = -mx.take_along_axis(ref, targets, axis=-1).mean().item()

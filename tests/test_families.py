@@ -91,7 +91,8 @@ def test_tq4_compresses_global_layers_and_bounds_rings(family):
     lines = summary.splitlines()[2:-1]
     total = 0
     for i, (kind, spec, line) in enumerate(zip(kinds, cache.specs, lines)):
-        row = 2 * spec.n_kv_heads * spec.head_dim  # FP16 bytes of one K or V row
+        fp16_row = 2 * spec.n_kv_heads * spec.head_dim  # FP16 bytes of one K or V row
+        row = cache.dtype.size * spec.n_kv_heads * spec.head_dim  # as stored (the model's dtype)
         if kind == "shared":
             assert f"shared -> {spec.shared_from}" in line and line.rstrip().endswith(" 0")
             assert cache.layer_quant(i) is cache.layer_quant(spec.shared_from)
@@ -102,7 +103,7 @@ def test_tq4_compresses_global_layers_and_bounds_rings(family):
             assert "turboquant k4v4" in line and cache.layer_quant(i) is not None
             per_token = PRESETS["tq4"].bytes_per_token(spec.head_dim) * spec.n_kv_heads
             assert nbytes == per_token * 48  # 40 positions in steps of 16
-            assert nbytes < 2 * row * 48 / 3  # well under FP16's bytes
+            assert nbytes < 2 * fp16_row * 48 / 3  # well under FP16's bytes
         else:
             assert "fp16 ring" in line and cache.layer_quant(i) is None
             cap = spec.window + max_rows - 1
@@ -347,7 +348,8 @@ def test_generation_2k_past_window_tq4_bounded_memory(family):
     largest = 0  # float32 K+V of the largest owned layer's history
     for i, (kind, spec) in enumerate(zip(kinds, cache.specs)):
         if kind == "sliding":  # still exactly window + max_rows - 1 rows after 2k tokens
-            assert cache.layer_nbytes(i) == 4 * spec.n_kv_heads * spec.head_dim * (window + max_rows - 1)
+            row = 2 * cache.dtype.size * spec.n_kv_heads * spec.head_dim  # K and V, the model's dtype
+            assert cache.layer_nbytes(i) == row * (window + max_rows - 1)
         elif kind == "global":
             assert cache.layer_quant(i) is not None
             largest = max(largest, 8 * spec.n_kv_heads * spec.head_dim * cache.layer_offset(i))

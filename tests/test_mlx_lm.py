@@ -142,6 +142,23 @@ def test_logits_close_to_mlx_lm_cache(family):
     assert errs["k8v4"] < 0.2, errs
 
 
+def test_rows_stay_in_the_keys_dtype():
+    """The drop-in keeps uncompressed rows in the dtype the keys come in, as mlx-lm's KVCache
+    does (float32 for a float32 model, bfloat16 for a bfloat16 one); a dtype it cannot store
+    is refused when the cache is made."""
+    for dtype in (mx.float32, mx.bfloat16):
+        model = tiny_model("llama")
+        model.set_dtype(dtype)
+        cache = make_prompt_cache(model, "k8v4")
+        model(mx.random.randint(0, 97, (1, 5)), cache=cache)
+        manager = cache[0]._kv
+        assert manager.dtype == dtype
+        assert manager.layer_arrays(0)["k_recent"].dtype == dtype
+        unpatch_model(model)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        TurboSparkKVCache("k8v4", dtype="float64")
+
+
 def test_sliding_layers_keep_mlx_lm_caches():
     model = tiny_model("gemma3_text")
     cache = make_prompt_cache(model, "tq4")
@@ -527,7 +544,7 @@ def test_bounded_drop_in_matches_own_bounded_cache_with_flat_memory():
     free = make_prompt_cache(model, config, max_rows=16, q_block=16)
     assert [type(c).__name__ for c in cache] == ["TurboSparkKVCache", "TurboSparkKVCache", "RotatingKVCache"]
     assert cache[2].max_size == 40 and cache[2].keep == 4
-    ref = make_cache(own, config, max_kv_size=40, max_rows=16, dtype=mx.float16)
+    ref = make_cache(own, config, max_kv_size=40, max_rows=16)
     tokens = mx.random.randint(0, 97, (1, 130))
     sizes, bounded, unbounded = [], [], []
     # Chunks only below the bound: past it mlx-lm's RotatingKVCache lets a chunk's rows see more

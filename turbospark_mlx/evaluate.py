@@ -8,6 +8,8 @@
   - a passkey score: a 5-digit number hidden at evenly spaced depths in filler
     text, then asked for and greedily decoded (`passkey_prompts`);
   - KV bytes (allocated capacity) and peak memory.
+Every cache keeps its uncompressed rows in 16 bits (`fp16_dtype`), what a GPU model
+stores, so a float32 model on the CPU is measured against the FP16 cache too.
 `markdown_table` formats the result; the CLI is `turbospark-mlx eval`.
 """
 
@@ -25,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import KVCacheManager, make_cache
+from .cache.manager import model_dtype
 from .generate import model_max_context, prefill
 from .quant.config import FP16_BITS, TurboQuantConfig, get_preset
 
@@ -40,6 +43,12 @@ MIB = 2**20
 KV_BYTES_KIND = "allocated"  # KVCacheManager.nbytes counts allocated capacity, not rows in use
 
 Progress = Callable[[str], None]
+
+
+def fp16_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of the harness's uncompressed rows: bfloat16 for a bfloat16 model, else
+    float16 (a float32 model's own default cache keeps float32, `model_dtype`)."""
+    return mx.bfloat16 if model_dtype(model) == mx.bfloat16 else mx.float16
 
 
 def default_predictions(context: int) -> int:
@@ -295,13 +304,13 @@ def passkey_score(
     progress: Progress | None = None,
 ) -> dict:
     """Fraction of `prompts` whose greedy answer contains their key, with each answer and its
-    `key_margin`."""
+    `key_margin`; uncompressed rows in `fp16_dtype`."""
     stop = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     trials = []
     for j, p in enumerate(prompts):
         if progress:
             progress(f"{preset.name}: passkey {j + 1}/{len(prompts)} (depth {p['depth']:.2f})")
-        cache = make_cache(model, kv=preset, max_rows=step, max_context=context)
+        cache = make_cache(model, kv=preset, max_rows=step, max_context=context, dtype=fp16_dtype(model))
         logprobs: list[mx.array] = []
         tokens = greedy_decode(model, cache, p["ids"], PASSKEY_NEW_TOKENS, step, stop, logprobs)
         answer = tokenizer.decode(tokens)
@@ -338,7 +347,9 @@ def _run_preset(run: _Run, preset: TurboQuantConfig, reference: list[mx.array] |
     mx.reset_peak_memory()
     context = len(run.tokens)
     run.say(f"{preset.name}: teacher-forced, {context} tokens, {run.predictions} scored")
-    cache = make_cache(run.model, kv=preset, max_rows=run.step, max_context=context)
+    cache = make_cache(
+        run.model, kv=preset, max_rows=run.step, max_context=context, dtype=fp16_dtype(run.model)
+    )
     metrics, chunks = teacher_forced(run.model, cache, run.tokens, run.predictions, run.step, reference)
     passkey = {"score": None, "hits": None, "trials": []}
     if run.prompts:
@@ -392,7 +403,7 @@ def evaluate(
         progress: called with a line of text as each step starts.
     Returns:
         {"context", "predictions", "prefill_step_size", "passkey_depths" (the depths used),
-        "kv_bytes_kind", "results": one dict per preset (FP16 first) with perplexity,
+        "kv_bytes_kind", "row_dtype", "results": one dict per preset (FP16 first) with perplexity,
         ppl_delta_pct, mean_kl, top1_agreement (a fraction), passkey_score (None without
         passkey), kv_bytes, kv_fp16_bytes, kv_ratio_vs_fp16, peak_memory_bytes, ...}.
         Peak memory leaves out the FP16 log-probs held for the KL (predictions x vocab
@@ -427,6 +438,7 @@ def evaluate(
         "prefill_step_size": step,
         "passkey_depths": [p["depth"] for p in prompts],
         "kv_bytes_kind": KV_BYTES_KIND,
+        "row_dtype": str(fp16_dtype(model)).rsplit(".", 1)[-1],
         "results": rows,
     }
 

@@ -23,6 +23,8 @@ sink rows, or a protected TurboQuant layer whose codes are a ring). A layer can 
 another layer's KV (`LayerSpec.shared_from`) and then owns no storage, or be
 held by another pipeline stage (its spec is None) and have no place here at all.
 Storage grows in steps like mlx-lm's KVCache, so a token does not reallocate.
+"FP16" names the uncompressed rows throughout; they are stored in the model's dtype
+(float16, bfloat16, or float32 for a float32 model), as mlx-lm's KVCache stores them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from .spec import LayerSpec
 # make_prompt_cache builds RotatingKVCache(max_kv_size, keep=4). A protected TurboQuant
 # layer keeps its preset's sink_rows instead.
 BOUNDED_SINK_ROWS = 4
+# What uncompressed ("FP16") rows may be stored as: the dtypes models compute K/V in.
+ROW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 @dataclass
@@ -134,7 +138,8 @@ class KVCacheManager:
         max_kv_size: if set, a layer that would hold more positions keeps only its first
             sink rows and its newest max_kv_size - sinks positions (mlx-lm's rotating
             cache with keep=4); TurboQuant layers then need a protected preset.
-        dtype: dtype of FP16 storage and staging (float16 or bfloat16).
+        dtype: dtype of the uncompressed rows and staging (float16, bfloat16 or float32);
+            "FP16" below names these rows whatever their dtype.
         step: growth step of storage, in positions.
     """
 
@@ -159,8 +164,8 @@ class KVCacheManager:
             raise ValueError(
                 f"batch_size, max_rows and step must be >= 1, got {batch_size}, {max_rows}, {step}"
             )
-        if dtype not in (mx.float16, mx.bfloat16):
-            raise ValueError(f"FP16 storage dtype must be float16 or bfloat16, got {dtype}")
+        if dtype not in ROW_DTYPES:
+            raise ValueError(f"KV row dtype must be float16, bfloat16 or float32, got {dtype}")
         if max_kv_size is not None:
             if not isinstance(max_kv_size, int) or max_kv_size < 1:
                 raise ValueError(f"max_kv_size must be an int >= 1, got {max_kv_size!r}")
@@ -728,21 +733,24 @@ def make_cache(model, kv: str | TurboQuantConfig = DEFAULT_PRESET, **kwargs) -> 
     """A KVCacheManager laid out for `model` (anything with `kv_layer_specs()`).
 
     kwargs go to KVCacheManager (batch_size, max_rows, max_context, dtype, step). The
-    storage dtype defaults to the model's (bfloat16 or float16), so attention over FP16
-    layers never casts the history.
+    row dtype defaults to the model's (`model_dtype`), so attention over uncompressed rows
+    never casts the history.
     """
     kwargs.setdefault("dtype", model_dtype(model))
     return KVCacheManager(model.kv_layer_specs(), kv, **kwargs)
 
 
 def model_dtype(model) -> mx.Dtype:
-    """bfloat16 if the model's floating parameters (quantization scales included) are
-    bfloat16, else float16: the dtype its K/V rows come in."""
+    """The dtype a model's K/V rows come in: that of its floating parameters (quantization
+    scales included) where it is bfloat16 or float32, else float16. A float32 model (the
+    CPU's dequantized weights, `ts.load`) stores float32 rows, as mlx-lm's KVCache does: on
+    MLX's CPU backend casting 16-bit history back every step costs more than the attention
+    over it (docs/backends.md, "The CPU backend's cache paths")."""
     from mlx.utils import tree_flatten
 
     params = tree_flatten(model.parameters()) if hasattr(model, "parameters") else []
     floats = [a.dtype for _, a in params if mx.issubdtype(a.dtype, mx.floating)]
-    return mx.bfloat16 if floats and floats[0] == mx.bfloat16 else mx.float16
+    return floats[0] if floats and floats[0] in (mx.bfloat16, mx.float32) else mx.float16
 
 
 def kv_write_target(cache: KVCacheManager, side: str, layer: int, position: int) -> KVTarget:

@@ -26,7 +26,7 @@ from ..quant.config import DEFAULT_PRESET, TurboQuantConfig, get_preset
 __all__ = ["TurboSparkBatchKVCache", "TurboSparkKVCache"]
 
 _NAMES = ("k_codes", "k_norms", "v_codes", "v_norms")
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def _legacy_protocol() -> bool:
@@ -60,8 +60,8 @@ class TurboSparkKVCache:
         max_rows: rows quantized per commit (bounds the FP16 staging transient).
         q_block: query rows per attention call during prefill; bounds the score
             matrix of a long chunk ((B, Hq, q_block, T) at a time).
-        dtype: staging dtype, "float16" or "bfloat16"; by default bfloat16 for
-            bfloat16 models, float16 otherwise.
+        dtype: dtype of the uncompressed rows and staging, "float16", "bfloat16" or
+            "float32"; by default the dtype the model's keys come in.
         max_kv_size: keep the preset's sink rows and the newest max_kv_size - sink_rows
             positions, in flat memory (mlx-lm's `make_prompt_cache(model, max_kv_size)`
             bounds its caches the same way); needs a protected preset whose window
@@ -107,6 +107,8 @@ class TurboSparkKVCache:
                     f"max_kv_size={max_kv_size} leaves nothing to compress: preset {self.config.name!r} keeps "
                     f"{fp16} rows in FP16 (sink_rows + window_rows); use mlx-lm's RotatingKVCache for this bound"
                 )
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
         self.max_kv_size = max_kv_size
         self.max_rows = max_rows
         self.q_block = q_block
@@ -128,8 +130,8 @@ class TurboSparkKVCache:
     def _ensure(self, keys: mx.array) -> KVCacheManager:
         B, H, _, D = keys.shape
         if self.dtype_name is None:
-            # Staging dtype: bfloat16 models stage in bfloat16, the rest (fp16, fp32) in float16.
-            self.dtype_name = "bfloat16" if keys.dtype == mx.bfloat16 else "float16"
+            # The keys' own dtype, as mlx-lm's KVCache stores them (other floats: float16).
+            self.dtype_name = next((n for n, d in _DTYPES.items() if d == keys.dtype), "float16")
         if self._kv is None:
             self.shape = (H, D)
             self._kv = self._manager(B)

@@ -10,7 +10,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..attention import attention_any, store_and_attend
-from ..cache import KVCacheManager
+from ..cache import KVCacheManager, make_cache
 from ..cache.batch import SequenceBatch
 
 
@@ -70,11 +70,12 @@ def written_attention(cache: KVCacheManager, layer: int, queries: mx.array, *, s
 
 
 def cache_for_call(model, cache: KVCacheManager | None, inputs: mx.array) -> KVCacheManager:
-    """The cache a forward pass uses: the caller's, or a fresh FP16 one sized for this call."""
+    """The cache a forward pass uses: the caller's, or a fresh uncompressed one sized for this
+    call, its rows in the model's dtype."""
     if cache is not None:
         return cache
     B, L = inputs.shape[:2]
-    return KVCacheManager(model.kv_layer_specs(), "fp16", batch_size=B, max_rows=L, step=L)
+    return make_cache(model, "fp16", batch_size=B, max_rows=L, step=L)
 
 
 def shard_group(model, family: str, group: mx.distributed.Group | None, **sizes: int) -> mx.distributed.Group:
