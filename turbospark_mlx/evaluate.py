@@ -26,8 +26,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVCacheManager, make_cache
-from .cache.manager import model_dtype
+from .cache import KVCacheManager, make_cache, model_dtype
 from .generate import model_max_context, prefill
 from .quant.config import FP16_BITS, TurboQuantConfig, get_preset
 

@@ -8,6 +8,7 @@ from .manager import (
     commit_kv,
     kv_write_target,
     make_cache,
+    model_dtype,
     store_kv,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "commit_kv",
     "kv_write_target",
     "make_cache",
+    "model_dtype",
     "store_kv",
 ]
