@@ -322,11 +322,12 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, text_file, capsys):
     assert table[0].startswith("| preset | K/V bits | perplexity | Δ perplexity % | mean KL | top-1 %")
     assert [line.split("|")[1].strip() for line in table[2:]] == ["fp16", "tq2", "k8v4"]
     assert all(line.count("|") == 11 for line in table)
+    assert "| KV MiB (allocated, float16 rows) |" in table[0]  # the float32 model measured at FP16 rows
 
     data = json.loads(out.read_text())
     for key in ("model", "text", "context", "predictions", "mlx_version", "turbospark_mlx_version", "date"):
         assert key in data, key
-    assert data["model"] == str(path) and data["text"] == str(text_file)
+    assert data["model"] == str(path) and data["text"] == str(text_file) and data["row_dtype"] == "float16"
     assert (data["context"], data["predictions"]) == (96, 40) and len(data["passkey_depths"]) == 2
     assert {"machine", "processor"} <= set(data["platform"])
     fields = {"perplexity", "ppl_delta_pct", "mean_kl", "top1_agreement", "passkey_score", "kv_bytes"}

@@ -448,9 +448,10 @@ def _bits(row: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     """The rows of `evaluate`'s result as a markdown table."""
+    rows = f", {result['row_dtype']} rows" if result.get("row_dtype") else ""
     head = (
         "| preset | K/V bits | perplexity | Δ perplexity % | mean KL | top-1 % | passkey "
-        f"| KV MiB ({result['kv_bytes_kind']}) | ×FP16 bytes | peak MiB |"
+        f"| KV MiB ({result['kv_bytes_kind']}{rows}) | ×FP16 bytes | peak MiB |"
     )
     lines = [head, "|" + "---|" * 10]
     for r in result["results"]:
