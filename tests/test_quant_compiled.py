@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 
 from turbospark_mlx.quant.compiled import (
-    HOST_GATHER_MIN_ROWS,
+    HOST_STEP_MIN_ROWS,
     STEP_MAX_ROWS,
     commit_row_ref,
     protected_step_ref,
@@ -64,8 +64,8 @@ def test_step_equals_oracle(bits, rotation, B, Ld, with_sinks, with_mean):
     mean = mx.random.normal((B, H, D)) if with_mean else None
     # One graph per layout serves every length: the rows grow as a decode step's do, and a
     # single code row (which the graph must not meet) goes to the oracle. From
-    # HOST_GATHER_MIN_ROWS rows the centroids come from numpy's take.
-    for L in (5, 2, 1, 9, HOST_GATHER_MIN_ROWS + 44):
+    # HOST_STEP_MIN_ROWS rows the centroids come from numpy's take.
+    for L in (5, 2, 1, 9, HOST_STEP_MIN_ROWS + 44):
         lo = 3  # the step reads slots [lo, lo + L) of the storage
         kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, B, H, lo + L, Ld, D, seed=L)
         q = mx.random.normal((B, H * G, 1, D))

@@ -4,7 +4,8 @@ attention on a protected layer and the commit of the row that leaves its window.
 On MLX's CPU backend a decode step is bound by the number of ops, not their size: each
 costs microseconds to build and to run, and the oracles in `reference.py` spend about 200
 ops per layer on what these do in two compiled calls and a few gathers (docs/backends.md,
-"The CPU backend's cache paths"). They compute what the oracles compute, in another order
+"The CPU backend's cache paths"); from HOST_STEP_MIN_ROWS code rows the step's arithmetic runs
+in numpy on the arrays' buffers (`_host_step`). They compute what the oracles compute, in another order
 of float32 operations; tests/test_quant_compiled.py holds them to the oracles.
 """
 
@@ -25,10 +26,11 @@ from .tables import LayerQuant, SideQuant
 # longer histories take the oracle's blocks.
 STEP_MAX_ROWS = 4096
 
-# Code rows from which a step on the CPU device decodes centroids with numpy's take, which
-# costs about a fifth of MLX's CPU gather per index but a sync per layer and step
-# (docs/backends.md, "The CPU backend's cache paths"; benchmarks/results/cpu_speed.md).
-HOST_GATHER_MIN_ROWS = 256
+# Code rows from which a step on the CPU device runs on the host (`_host_step`): numpy's take
+# costs about a fifth of MLX's CPU gather per index and numpy's small ops a few microseconds,
+# for a sync per layer and step (docs/backends.md, "The CPU backend's cache paths";
+# benchmarks/results/cpu_speed.md).
+HOST_STEP_MIN_ROWS = 64
 
 
 @lru_cache(maxsize=None)
@@ -99,7 +101,9 @@ def protected_step_ref(
     if not 2 <= hi - lo <= STEP_MAX_ROWS or (keys is not None and keys.shape[2] < 2):
         return None
     k_codes, k_norms, v_codes, v_norms = codes
-    on_host = hi - lo >= HOST_GATHER_MIN_ROWS and mx.default_device() == mx.cpu
+    on_host = hi - lo >= HOST_STEP_MIN_ROWS and mx.default_device() == mx.cpu
+    if on_host and quant.k.half_word_table is not None and quant.v.half_word_table is not None:
+        return _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean)
     none = mx.zeros((1,))  # stands in for an absent input: the graph for its layout ignores it
     graph = _step_graph(
         quant.k.rotation.kind, quant.v.rotation.kind, float(scale), keys is not None, key_mean is not None,
@@ -122,6 +126,54 @@ def protected_step_ref(
     if on_host:  # the host's rows exist already: evaluating frees them before the next layer's
         mx.eval(out)
     return out
+
+
+def _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean) -> mx.array:
+    """`_step_graph`'s arithmetic in numpy, on the buffers of the evaluated arrays (one sync
+    per call): a code row's centroids come from the half-word tables (numpy's take) and never
+    become MLX arrays, and numpy's small ops cost a few microseconds where MLX's CPU ops cost
+    5-20. The code part's output is rotated back by MLX (Hadamard)."""
+    B, Hq, _, D = queries.shape
+    (lo, hi), H = rows, codes[0].shape[1]
+    k_codes, k_norms, v_codes, v_norms = codes
+    q = queries.astype(mx.float32).reshape(B, H, Hq // H, D)
+    q_rot = rotate(q, quant.k.rotation.kind, quant.k.rotation.array)
+    dense = [] if keys is None else [keys.astype(mx.float32), values.astype(mx.float32)]
+    extra = [] if key_mean is None else [key_mean.astype(mx.float32)]
+    mx.eval(q, q_rot, k_codes, k_norms, v_codes, v_norms, *dense, *extra)
+    qn, qr = np.asarray(q), np.asarray(q_rot)
+    k = _host_centroids(k_codes, lo, hi, quant.k)
+    s_codes = (qr @ k.swapaxes(-1, -2)) * (scale * np.asarray(k_norms)[:, :, None, lo:hi])
+    if key_mean is not None:  # q·mean: the part of the score the centred codes leave out
+        s_codes += scale * (qn @ np.asarray(extra[0])[:, :, :, None])
+    m = s_codes.max(axis=-1, keepdims=True)
+    if dense:
+        s_dense = scale * (qn @ np.asarray(dense[0]).swapaxes(-1, -2))
+        m = np.maximum(m, s_dense.max(axis=-1, keepdims=True))
+    if sinks is not None:
+        sink = np.asarray(sinks.astype(mx.float32)).reshape(1, H, Hq // H, 1)
+        m = np.maximum(m, sink)
+    p = np.exp(s_codes - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    p *= np.asarray(v_norms)[:, :, None, lo:hi]
+    out_rot = p @ _host_centroids(v_codes, lo, hi, quant.v)
+    rest = np.zeros_like(out_rot)
+    if dense:
+        p_dense = np.exp(s_dense - m)
+        denom = denom + p_dense.sum(axis=-1, keepdims=True)
+        rest += p_dense @ np.asarray(dense[1])
+    if sinks is not None:
+        denom = denom + np.exp(sink - m)
+    out = unrotate(mx.array(out_rot), quant.v.rotation.kind, quant.v.rotation.array) + mx.array(rest)
+    return (out / mx.array(denom)).reshape(B, Hq, 1, D).astype(queries.dtype)
+
+
+def _host_centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant) -> np.ndarray:
+    """c[idx] of code slots [lo, hi) as numpy float32 (B, H, hi - lo, d), from an evaluated
+    codes array's buffer (no copy of the codes) and the half-word table."""
+    halves = np.asarray(codes)[:, :, lo:hi].view(np.uint16)
+    found = np.take(_host_table(tables), halves, axis=0)
+    return found.reshape(*halves.shape[:-1], -1)[..., : tables.head_dim]
 
 
 def _centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant, on_host: bool) -> mx.array:
