@@ -4,9 +4,9 @@ attention on a protected layer and the commit of the row that leaves its window.
 On MLX's CPU backend a decode step is bound by the number of ops, not their size: each
 costs microseconds to build and to run, and the oracles in `reference.py` spend about 200
 ops per layer on what these do in two compiled calls and a few gathers (docs/backends.md,
-"The CPU backend's cache paths"); from HOST_STEP_MIN_ROWS code rows the step's arithmetic runs
-in numpy on the arrays' buffers (`_host_step`). They compute what the oracles compute, in another order
-of float32 operations; tests/test_quant_compiled.py holds them to the oracles.
+"The CPU backend's cache paths"); from HOST_STEP_MIN_ROWS code rows the step's arithmetic
+runs in numpy on the arrays' buffers (`_host_step`). They compute what the oracles compute,
+in another order of float32 operations; tests/test_quant_compiled.py holds them to the oracles.
 """
 
 from __future__ import annotations
