@@ -206,7 +206,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                       "|---|---|---|---|---|"]  # fmt: skip
             for c in r["contexts"]:
                 f, k, h = c["fp16_ms_per_step"], c["k8v4_ms_per_step"], c["fp16_f16rows_ms_per_step"]
-                lines.append(f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x | {h:.1f} ({h / f:.2f}x) |")
+                row = f"| {c['context']} | {f:.1f} | {k:.1f} | {k / f:.2f}x | {h:.1f} ({h / f:.2f}x) |"
+                lines.append(row)
         if r.get("small_ops"):
             s = r["small_ops"]
             ratios = ", ".join(f"{x:.2f}" for x in s["paired_ratios"])

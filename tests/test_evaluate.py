@@ -95,10 +95,8 @@ def test_metrics_match_plain_forward_passes(model):
     scored = slice(context - 1 - predictions, context - 1)
     # The harness keeps 16-bit rows (fp16_dtype) where the float32 model's default is float32.
     assert result["row_dtype"] == "float16" and ev.fp16_dtype(model) == mx.float16
-    ref, tq2 = (
-        log_softmax(model(x, cache=ts.make_cache(model, kv=kv, max_rows=context, dtype=mx.float16))[0, scored])
-        for kv in ("fp16", TQ2)
-    )
+    caches = [ts.make_cache(model, kv=kv, max_rows=context, dtype=mx.float16) for kv in ("fp16", TQ2)]
+    ref, tq2 = (log_softmax(model(x, cache=c)[0, scored]) for c in caches)
     targets = mx.array(ids[context - predictions : context])[:, None]
 
     nll = -mx.take_along_axis(ref, targets, axis=-1).mean().item()
