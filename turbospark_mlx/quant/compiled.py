@@ -102,7 +102,7 @@ def protected_step_ref(
         return None
     k_codes, k_norms, v_codes, v_norms = codes
     on_host = hi - lo >= HOST_STEP_MIN_ROWS and mx.default_device() == mx.cpu
-    if on_host and quant.k.half_word_table is not None and quant.v.half_word_table is not None:
+    if on_host and _host_table(quant.k) is not None and _host_table(quant.v) is not None:
         return _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean)
     none = mx.zeros((1,))  # stands in for an absent input: the graph for its layout ignores it
     graph = _step_graph(
@@ -156,22 +156,21 @@ def _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean
     p = np.exp(s_codes - m)
     denom = p.sum(axis=-1, keepdims=True)
     p *= np.asarray(v_norms)[:, :, None, lo:hi]
-    out_rot = p @ _host_centroids(v_codes, lo, hi, quant.v)
-    rest = np.zeros_like(out_rot)
+    out = unrotate(mx.array(p @ _host_centroids(v_codes, lo, hi, quant.v)), quant.v.rotation.kind,
+                   quant.v.rotation.array)  # fmt: skip
     if dense:
         p_dense = np.exp(s_dense - m)
         denom = denom + p_dense.sum(axis=-1, keepdims=True)
-        rest += p_dense @ np.asarray(dense[1])
+        out = out + mx.array(p_dense @ np.asarray(dense[1]))
     if sinks is not None:
         denom = denom + np.exp(sink - m)
-    out = unrotate(mx.array(out_rot), quant.v.rotation.kind, quant.v.rotation.array) + mx.array(rest)
     return (out / mx.array(denom)).reshape(B, Hq, 1, D).astype(queries.dtype)
 
 
 def _host_centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant) -> np.ndarray:
     """c[idx] of code slots [lo, hi) as numpy float32 (B, H, hi - lo, d), from an evaluated
     codes array's buffer (no copy of the codes) and the half-word table."""
-    halves = np.asarray(codes)[:, :, lo:hi].view(np.uint16)
+    halves = np.asarray(codes)[:, :, lo:hi].view(np.uint16)  # a view of MLX's buffer, no copy
     found = np.take(_host_table(tables), halves, axis=0)
     return found.reshape(*halves.shape[:-1], -1)[..., : tables.head_dim]
 
@@ -180,16 +179,17 @@ def _centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant, on_host: bo
     """c[idx] of code slots [lo, hi): (B, H, hi - lo, d) float32. On the host, numpy's take
     on the codes' buffer does the lookup: it evaluates the codes (a sync inside the step),
     so short histories stay in the graph."""
-    if not on_host or tables.half_word_table is None:
+    if not on_host or _host_table(tables) is None:
         return centroids_of(codes[:, :, lo:hi], tables)
-    halves = np.asarray(codes)[:, :, lo:hi].view(np.uint16)  # a view of MLX's buffer, no copy
-    found = np.take(_host_table(tables), halves, axis=0)
-    return mx.array(found.reshape(*halves.shape[:-1], -1)[..., : tables.head_dim])
+    return mx.array(_host_centroids(codes, lo, hi, tables))
 
 
 @lru_cache(maxsize=None)
-def _host_table(tables: SideQuant) -> np.ndarray:
-    return np.asarray(tables.half_word_table)
+def _host_table(tables: SideQuant) -> np.ndarray | None:
+    """The side's half-word table as numpy, or None where it has none (3-bit codes): asked
+    once per side, since a step asks in every layer."""
+    table = tables.half_word_table
+    return None if table is None else np.asarray(table)
 
 
 @lru_cache(maxsize=None)
