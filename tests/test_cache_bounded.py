@@ -71,6 +71,12 @@ def test_memory_stops_growing():
     assert short.nbytes == long.nbytes
     _, grows = run(protected(), k, v, q, [64] * 6 + [16])
     assert long.nbytes < grows.nbytes
+    # In use: the 60 positions a query reads (4 sinks and 16 window rows uncompressed, 40 coded).
+    rows = 2 * B * HKV * D * 2  # K and V of one position, float16
+    coded = 40 * B * HKV * long.config.bytes_per_token(D)
+    assert short.used_nbytes() == long.used_nbytes() == 20 * rows + coded + B * HKV * D * 4  # + key mean
+    assert long.uncompressed_nbytes() == 60 * rows
+    assert grows.uncompressed_nbytes() == 400 * rows
 
 
 def test_trim_then_rewrite_reads_as_before(tmp_path):

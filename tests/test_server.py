@@ -93,7 +93,9 @@ def test_completions_equal_generate(loaded):
             usage = body["usage"]
             assert usage["prompt_tokens"] == len(loaded[1].encode(prompt))
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-            assert 0 < usage["kv_cache"]["bytes"] < usage["kv_cache"]["fp16_bytes"]
+            kv = usage["kv_cache"]
+            assert 0 < kv["bytes"] < kv["fp16_bytes"] and 0 < kv["bytes_in_use"] <= kv["bytes"]
+            assert kv["uncompressed_bytes_in_use"] > 0
         # A stop string: the text ends before it, as generate's does.
         full = expected(loaded, PROMPTS[0], 16)
         stop = full.split()[2]

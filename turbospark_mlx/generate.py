@@ -36,6 +36,8 @@ class GenerationResponse:
             tokens after the first, whose time is the prefill's; 0 until there are two).
         peak_memory: peak memory MLX allocated, in GB.
         kv_bytes: bytes the KV cache has allocated now; kv_fp16_bytes: the same capacity as FP16.
+        kv_used_bytes: bytes the positions held take as stored (`KVCacheManager.used_nbytes`);
+            kv_uncompressed_bytes: the same positions as uncompressed rows of `kv_row_dtype`.
         kv: the cache preset's name.
         finish_reason: None while generating, then "stop" or "length".
         from_draft: the token was a draft model's proposal the model accepted.
@@ -50,12 +52,15 @@ class GenerationResponse:
     peak_memory: float
     kv_bytes: int
     kv_fp16_bytes: int
+    kv_used_bytes: int
+    kv_uncompressed_bytes: int
+    kv_row_dtype: str
     kv: str
     finish_reason: str | None = None
     from_draft: bool = False
 
     def stats_line(self) -> str:
-        ratio = self.kv_bytes / self.kv_fp16_bytes if self.kv_fp16_bytes else 1.0
+        ratio = self.kv_used_bytes / self.kv_uncompressed_bytes if self.kv_uncompressed_bytes else 1.0
 
         def count(n: int, tps: float) -> str:
             rate = f"{tps:.1f} tok/s" if tps > 0 else "rate n/a"
@@ -65,8 +70,9 @@ class GenerationResponse:
             f"prompt: {count(self.prompt_tokens, self.prompt_tps)} | "
             f"generation: {count(self.generation_tokens, self.generation_tps)} | "
             f"peak memory: {self.peak_memory:.3f} GB | "
-            f"KV cache ({self.kv}, allocated): {self.kv_bytes / 2**20:.2f} MiB vs FP16 "
-            f"{self.kv_fp16_bytes / 2**20:.2f} MiB ({ratio:.3f}x)"
+            f"KV cache ({self.kv}): {self.kv_used_bytes / 2**20:.2f} MiB in use vs "
+            f"{self.kv_uncompressed_bytes / 2**20:.2f} MiB as uncompressed {self.kv_row_dtype} "
+            f"({ratio:.3f}x), {self.kv_bytes / 2**20:.2f} MiB allocated"
         )
 
 
@@ -349,6 +355,9 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 kv_bytes=cache.nbytes,
                 kv_fp16_bytes=cache.fp16_nbytes(),
+                kv_used_bytes=cache.used_nbytes(),
+                kv_uncompressed_bytes=cache.uncompressed_nbytes(),
+                kv_row_dtype=str(cache.dtype).removeprefix("mlx.core."),
                 kv=cache.config.name,
                 finish_reason=finish,
                 from_draft=from_draft,

@@ -371,8 +371,15 @@ class Handler(BaseHTTPRequestHandler):
             "prompt_tokens": n,
             "completion_tokens": request.generated,
             "total_tokens": n + request.generated,
-            # The package's own field: the bytes this request's KV cache had allocated at its end.
-            "kv_cache": {"preset": cache.config.name, "bytes": cache.nbytes, "fp16_bytes": cache.fp16_nbytes()},
+            # The package's own field, at the request's end: the bytes its KV cache had allocated
+            # (and FP16 would have), and the bytes its positions take as stored and uncompressed.
+            "kv_cache": {
+                "preset": cache.config.name,
+                "bytes": cache.nbytes,
+                "fp16_bytes": cache.fp16_nbytes(),
+                "bytes_in_use": cache.used_nbytes(),
+                "uncompressed_bytes_in_use": cache.uncompressed_nbytes(),
+            },
         }
 
     def _pieces(self, request: Request):

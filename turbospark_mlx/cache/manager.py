@@ -393,6 +393,39 @@ class KVCacheManager:
     def layer_nbytes(self, layer: int) -> int:
         return sum(a.nbytes for a in self._layers[layer].arrays.values())
 
+    def used_nbytes(self) -> int:
+        """Bytes the positions a query reads take as stored: codes and norms for the quantized
+        ones, uncompressed rows for the rest (window, sinks, uncommitted rows, FP16 layers), and
+        each key mean; the slack of growing storage and rings, and staging, left out."""
+        total = 0
+        for l in self._layers.values():
+            rows, coded = self._held_positions(l)
+            total += rows * self._row_nbytes(l)
+            if coded:
+                q = l.quant
+                total += coded * self.batch_size * l.spec.n_kv_heads * 4 * (q.k.words + q.v.words + 2)
+            if "k_mean" in l.arrays:
+                total += l.arrays["k_mean"].nbytes
+        return total
+
+    def uncompressed_nbytes(self) -> int:
+        """Bytes the same positions take as uncompressed K and V rows in this cache's row dtype:
+        what mlx-lm's KVCache (RotatingKVCache for a sliding layer) holds in use for them."""
+        return sum(sum(self._held_positions(l)) * self._row_nbytes(l) for l in self._layers.values())
+
+    def _row_nbytes(self, l: _Layer) -> int:
+        """Bytes of one position's uncompressed K and V rows in layer `l` (every sequence)."""
+        return 2 * self.batch_size * l.spec.n_kv_heads * l.spec.head_dim * self.dtype.size
+
+    def _held_positions(self, l: _Layer) -> tuple[int, int]:
+        """(uncompressed, quantized): how many positions a query of `l` reads from each."""
+        n, sinks = l.offset, min(l.offset, l.sink_rows)
+        first = l.sink_rows if l.keep is None else max(l.sink_rows, n - l.keep)  # oldest non-sink kept
+        if l.quant is None:
+            return sinks + max(0, n - first), 0
+        end = max(first, self.config.committed_end(n) if l.recent_capacity else n)  # codes below it
+        return sinks + max(0, n - end), end - first if n > first else 0
+
     def fp16_nbytes(self) -> int:
         """What the same allocated capacity would take as FP16 K and V (a protected layer: the
         capacity an FP16 layer would have allocated for its positions)."""
@@ -432,7 +465,8 @@ class KVCacheManager:
                     kind = "fp16"
                 nbytes, off = self.layer_nbytes(i), l.offset
             lines.append(f"{i:>5}  {kind:<22} {spec.n_kv_heads:>5} {spec.head_dim:>4} {off:>7} {nbytes:>12,}")
-        lines.append(f"total {self.nbytes:,} bytes (FP16 would be {self.fp16_nbytes():,})")
+        lines.append(f"total {self.nbytes:,} bytes (FP16 would be {self.fp16_nbytes():,}); in use "
+                     f"{self.used_nbytes():,} (uncompressed {self.uncompressed_nbytes():,})")
         return "\n".join(lines)
 
     # -- writes -------------------------------------------------------------
