@@ -150,6 +150,12 @@ def test_passkey_prompts_fit_and_hide_the_key_at_increasing_depths():
     assert [p["key"] for p in ev.passkey_prompts(tok, 600, 5, seed=4)] != [p["key"] for p in prompts]
 
 
+def test_a_key_is_found_only_as_a_whole_number():
+    assert ev.found_key("77013", " 77013. Remember") and ev.found_key("77013", "key:77013")
+    assert not ev.found_key("77013", " 177013.") and not ev.found_key("77013", "770130")
+    assert not ev.found_key("77013", " 7701 3") and ev.found_key("00042", "00042")
+
+
 def test_passkey_depths_shrink_with_the_context():
     tok = CharTokenizer()
     few = ev.passkey_prompts(tok, 300, 20)  # room for only a few filler sentences

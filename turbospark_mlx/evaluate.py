@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -293,6 +294,11 @@ def key_margin(tokenizer, key: str, tokens: Sequence[int], logprobs: Sequence[mx
     return margin
 
 
+def found_key(key: str, answer: str) -> bool:
+    """Whether `answer` holds `key` as a whole number: '77013' is not found in '177013'."""
+    return re.search(rf"(?<!\d){re.escape(key)}(?!\d)", answer) is not None
+
+
 def passkey_score(
     model: nn.Module,
     tokenizer,
@@ -302,8 +308,8 @@ def passkey_score(
     step: int,
     progress: Progress | None = None,
 ) -> dict:
-    """Fraction of `prompts` whose greedy answer contains their key, with each answer and its
-    `key_margin`; uncompressed rows in `fp16_dtype`."""
+    """Fraction of `prompts` whose greedy answer holds their key as a number (`found_key`), with
+    each answer and its `key_margin`; uncompressed rows in `fp16_dtype`."""
     stop = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     trials = []
     for j, p in enumerate(prompts):
@@ -314,7 +320,8 @@ def passkey_score(
         tokens = greedy_decode(model, cache, p["ids"], PASSKEY_NEW_TOKENS, step, stop, logprobs)
         answer = tokenizer.decode(tokens)
         margin = key_margin(tokenizer, p["key"], tokens, logprobs)
-        trials.append({"depth": p["depth"], "key": p["key"], "answer": answer, "hit": p["key"] in answer,
+        trials.append({"depth": p["depth"], "key": p["key"], "answer": answer,
+                       "hit": found_key(p["key"], answer),
                        "margin": None if margin is None else round(margin, 4)})  # fmt: skip
     hits = sum(t["hit"] for t in trials)
     return {"score": hits / len(trials) if trials else None, "hits": hits, "trials": trials}
