@@ -91,9 +91,9 @@ def test_nbytes_matches_preset_formula(name, B):
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_bytes_in_use_count_each_position_once_as_stored(B, dtype):
-    """used_nbytes: each position a query reads, as codes + norms or as uncompressed rows (sinks,
-    window, an unfinished commit block), plus the key means; a sliding ring counts its window.
-    uncompressed_nbytes: the same positions as rows of the cache's dtype."""
+    """bytes_in_use: each position a query reads, as codes + norms or as uncompressed rows (sinks,
+    window, an unfinished commit block), plus the key means; a sliding ring counts its window;
+    and the same positions as rows of the cache's dtype."""
     W, S, C, L = 16, 4, 8, 303  # 280 positions coded, 3 of a block left in FP16
     config = get_preset("k8v4").with_(window_rows=W, sink_rows=S, commit_rows=C)
     cache = make(config, batch_size=B, dtype=dtype)
@@ -108,14 +108,14 @@ def test_bytes_in_use_count_each_position_once_as_stored(B, dtype):
     for d in (128, 96):  # the compressed layers: 8-bit keys, 4-bit values, a float32 norm each
         want += B * 2 * (coded * (d + d // 2 + 8) + fp16_rows * 2 * d * size + d * 4)
     want += B * 2 * 2 * 16 * 128 * size
-    assert (cache.used_nbytes(), cache.uncompressed_nbytes()) == (want, full)
+    assert cache.bytes_in_use() == (want, full)
     fp16 = make("fp16", batch_size=B, dtype=dtype)
     write_all(fp16, k, v, 64)
-    assert fp16.used_nbytes() == fp16.uncompressed_nbytes() == full < fp16.nbytes
+    assert fp16.bytes_in_use() == (full, full) and full < fp16.nbytes
     tq = make(plain("tq4"), batch_size=B, dtype=dtype)
     write_all(tq, k, v, 1)
     per_token = PRESETS["tq4"].bytes_per_token(128) + PRESETS["tq4"].bytes_per_token(96)
-    assert tq.used_nbytes() == B * 2 * L * per_token + B * 2 * 2 * 16 * 128 * size
+    assert tq.bytes_in_use()[0] == B * 2 * L * per_token + B * 2 * 2 * 16 * 128 * size
 
 
 def test_bytes_per_token_and_ratios():

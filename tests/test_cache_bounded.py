@@ -74,9 +74,9 @@ def test_memory_stops_growing():
     # In use: the 60 positions a query reads (4 sinks and 16 window rows uncompressed, 40 coded).
     rows = 2 * B * HKV * D * 2  # K and V of one position, float16
     coded = 40 * B * HKV * long.config.bytes_per_token(D)
-    assert short.used_nbytes() == long.used_nbytes() == 20 * rows + coded + B * HKV * D * 4  # + key mean
-    assert long.uncompressed_nbytes() == 60 * rows
-    assert grows.uncompressed_nbytes() == 400 * rows
+    in_use = (20 * rows + coded + B * HKV * D * 4, 60 * rows)  # stored with the key mean, uncompressed
+    assert short.bytes_in_use() == long.bytes_in_use() == in_use
+    assert grows.bytes_in_use()[1] == 400 * rows
 
 
 def test_trim_then_rewrite_reads_as_before(tmp_path):

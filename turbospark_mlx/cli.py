@@ -278,7 +278,8 @@ def _cache_prompt(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - tic
     meta = {"kind": PROMPT_CACHE_KIND, "model": model_path, "chat": "true" if chat else "false"}
     path = cache.save(args.prompt_cache_file, metadata=meta)
-    print(f"{len(ids)} tokens in {seconds:.1f} s; KV cache ({args.kv}) {cache.used_nbytes() / 2**20:.2f} MiB "
+    stored = cache.bytes_in_use()[0]
+    print(f"{len(ids)} tokens in {seconds:.1f} s; KV cache ({args.kv}) {stored / 2**20:.2f} MiB "
           f"in use ({cache.nbytes / 2**20:.2f} MiB allocated), saved to {path}", file=sys.stderr)
     return 0
 

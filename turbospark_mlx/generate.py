@@ -36,8 +36,8 @@ class GenerationResponse:
             tokens after the first, whose time is the prefill's; 0 until there are two).
         peak_memory: peak memory MLX allocated, in GB.
         kv_bytes: bytes the KV cache has allocated now; kv_fp16_bytes: the same capacity as FP16.
-        kv_used_bytes: bytes the positions held take as stored (`KVCacheManager.used_nbytes`);
-            kv_uncompressed_bytes: the same positions as uncompressed rows of `kv_row_dtype`.
+        kv_used_bytes, kv_uncompressed_bytes: the bytes the positions held take as stored, and
+            as uncompressed rows of `kv_row_dtype` (`KVCacheManager.bytes_in_use`).
         kv: the cache preset's name.
         finish_reason: None while generating, then "stop" or "length".
         from_draft: the token was a draft model's proposal the model accepted.
@@ -345,6 +345,7 @@ def stream_generate(
             if n == 1:
                 tic = time.perf_counter()  # decode speed counts the tokens after the first
             gen_time = time.perf_counter() - tic
+            used, full = cache.bytes_in_use()
             yield GenerationResponse(
                 text=segment,
                 token=token,
@@ -355,8 +356,8 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 kv_bytes=cache.nbytes,
                 kv_fp16_bytes=cache.fp16_nbytes(),
-                kv_used_bytes=cache.used_nbytes(),
-                kv_uncompressed_bytes=cache.uncompressed_nbytes(),
+                kv_used_bytes=used,
+                kv_uncompressed_bytes=full,
                 kv_row_dtype=str(cache.dtype).removeprefix("mlx.core."),
                 kv=cache.config.name,
                 finish_reason=finish,

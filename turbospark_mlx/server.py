@@ -367,6 +367,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _usage(self, request: Request) -> dict:
         n, cache = len(request.ids), request.cache
+        stored, full = cache.bytes_in_use()
         return {
             "prompt_tokens": n,
             "completion_tokens": request.generated,
@@ -377,8 +378,8 @@ class Handler(BaseHTTPRequestHandler):
                 "preset": cache.config.name,
                 "bytes": cache.nbytes,
                 "fp16_bytes": cache.fp16_nbytes(),
-                "bytes_in_use": cache.used_nbytes(),
-                "uncompressed_bytes_in_use": cache.uncompressed_nbytes(),
+                "bytes_in_use": stored,
+                "uncompressed_bytes_in_use": full,
             },
         }
 

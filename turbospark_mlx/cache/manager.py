@@ -393,29 +393,23 @@ class KVCacheManager:
     def layer_nbytes(self, layer: int) -> int:
         return sum(a.nbytes for a in self._layers[layer].arrays.values())
 
-    def used_nbytes(self) -> int:
-        """Bytes the positions a query reads take as stored: codes and norms for the quantized
-        ones, uncompressed rows for the rest (window, sinks, uncommitted rows, FP16 layers), and
-        each key mean; the slack of growing storage and rings, and staging, left out."""
-        total = 0
+    def bytes_in_use(self) -> tuple[int, int]:
+        """(stored, uncompressed). stored: the bytes the positions a query reads take as stored,
+        codes and norms for the quantized ones, uncompressed rows for the rest (window, sinks,
+        uncommitted rows, FP16 layers), and each key mean; the slack of growing storage and
+        rings, and staging, left out. uncompressed: the same positions as K and V rows of this
+        cache's dtype, what mlx-lm's KVCache (RotatingKVCache for a sliding layer) holds."""
+        stored = full = 0
         for l in self._layers.values():
             rows, coded = self._held_positions(l)
-            total += rows * self._row_nbytes(l)
-            if coded:
-                q = l.quant
-                total += coded * self.batch_size * l.spec.n_kv_heads * 4 * (q.k.words + q.v.words + 2)
-            if "k_mean" in l.arrays:
-                total += l.arrays["k_mean"].nbytes
-        return total
-
-    def uncompressed_nbytes(self) -> int:
-        """Bytes the same positions take as uncompressed K and V rows in this cache's row dtype:
-        what mlx-lm's KVCache (RotatingKVCache for a sliding layer) holds in use for them."""
-        return sum(sum(self._held_positions(l)) * self._row_nbytes(l) for l in self._layers.values())
-
-    def _row_nbytes(self, l: _Layer) -> int:
-        """Bytes of one position's uncompressed K and V rows in layer `l` (every sequence)."""
-        return 2 * self.batch_size * l.spec.n_kv_heads * l.spec.head_dim * self.dtype.size
+            heads, d = self.batch_size * l.spec.n_kv_heads, l.spec.head_dim
+            row = 2 * heads * d * self.dtype.size  # one position's K and V rows
+            stored += rows * row
+            if coded:  # uint32 code words and a float32 norm per side (`_storage_layout`)
+                stored += coded * heads * 4 * (l.quant.k.words + l.quant.v.words + 2)
+            stored += l.arrays["k_mean"].nbytes if "k_mean" in l.arrays else 0
+            full += (rows + coded) * row
+        return stored, full
 
     def _held_positions(self, l: _Layer) -> tuple[int, int]:
         """(uncompressed, quantized): how many positions a query of `l` reads from each."""
@@ -465,8 +459,9 @@ class KVCacheManager:
                     kind = "fp16"
                 nbytes, off = self.layer_nbytes(i), l.offset
             lines.append(f"{i:>5}  {kind:<22} {spec.n_kv_heads:>5} {spec.head_dim:>4} {off:>7} {nbytes:>12,}")
+        stored, full = self.bytes_in_use()
         lines.append(f"total {self.nbytes:,} bytes (FP16 would be {self.fp16_nbytes():,}); in use "
-                     f"{self.used_nbytes():,} (uncompressed {self.uncompressed_nbytes():,})")
+                     f"{stored:,} (uncompressed {full:,})")
         return "\n".join(lines)
 
     # -- writes -------------------------------------------------------------
