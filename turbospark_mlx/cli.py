@@ -193,7 +193,9 @@ def _generate(args: argparse.Namespace) -> int:
     if args.verbose and last is not None:
         tag = "" if group is None else f"[rank {rank}/{group.size()}] "  # each rank's own KV bytes
         drafted = f" | draft tokens accepted: {accepted}/{last.generation_tokens}" if draft is not None else ""
-        print(tag + ("[interrupted] " if interrupted else "") + last.stats_line() + drafted, file=sys.stderr)
+        line = tag + ("[interrupted] " if interrupted else "") + last.stats_line() + drafted
+        sys.stderr.write(line + "\n")  # one write: ranks sharing stderr do not split each other's lines
+        sys.stderr.flush()
     if group is not None:  # every rank leaves together: a rank that exits early breaks the others' ring
         import mlx.core as mx
 
