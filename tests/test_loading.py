@@ -120,17 +120,22 @@ def test_hf_dir_mlx_quantized(tmp_path):
     nn.quantize(model, group_size=32, bits=4)
     config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
     path = write_hf_dir(tmp_path / "q", model, config)
+    x = prompt_ids()
+    want = model(x)
+    # Kept packed: on the CPU the layers take the packed-weight kernels where they run here
+    # (`cpu_ext`, tested in test_cpu_ext.py), MLX's quantized matmul elsewhere.
     loaded, _ = ts.load(path, dequantize=False)
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    x = prompt_ids()
-    assert mx.array_equal(loaded(x), model(x)).item()
-    # On the CPU a small model's weights are unpacked to float32 (MLX's CPU quantized matmul
-    # has no BLAS path): the same weights, so the same logits to float32 rounding.
-    dense, _ = ts.load(path)
+    assert mx.abs(loaded(x) - want).max().item() <= 1e-4 * mx.abs(want).max().item()
+    # Unpacked to float32: the same weights, so the same logits to float32 rounding.
+    dense, _ = ts.load(path, dequantize=True)
     assert type(dense.model.layers[0].self_attn.q_proj) is nn.Linear
     assert type(dense.model.embed_tokens) is nn.Embedding
-    want = model(x)
     assert mx.abs(dense(x) - want).max().item() <= 1e-4 * mx.abs(want).max().item()
+    # The default on the CPU: packed where the kernels run, else unpacked.
+    default, _ = ts.load(path)
+    packed = ts.cpu_ext.available()
+    assert isinstance(default.model.layers[0].self_attn.q_proj, nn.QuantizedLinear) is packed
 
 
 def test_repo_id_from_offline_cache(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from .cpu_blas import cpu_blas, load_fast_blas
 load_fast_blas()
 
 from .attention import attention_any, store_and_attend  # noqa: E402
+from . import cpu_ext  # noqa: E402
 from .cache import (  # noqa: E402
     KVCacheManager,
     KVStage,
@@ -34,6 +35,7 @@ __all__ = [
     "attention_any",
     "commit_kv",
     "cpu_blas",
+    "cpu_ext",
     "GenerationResponse",
     "generate",
     "load",

@@ -12,12 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cpu import cpu_fast_paths
+from .cpu import cpu_fast_paths, packed_weight_paths, packed_weights_supported
 from .gguf import GGUF_ARCHITECTURES, load_gguf, load_gguf_model, read_gguf
 from .hf import load_hf_dir, snapshot
 
 __all__ = [
     "GGUF_ARCHITECTURES",
+    "packed_weight_paths",
+    "packed_weights_supported",
     "column_major_weights",
     "cpu_fast_paths",
     "load",
@@ -50,9 +52,10 @@ def load(
             HF checkpoints and float16 for GGUF.
         lazy: leave weights unevaluated until first use.
         dequantize: unpack quantized weights (GGUF Q4/Q8, mlx-community checkpoints) into
-            dense float weights. Default: on the CPU, when they take at most a quarter of
-            the machine's memory as float32: MLX's CPU quantized matmul has no BLAS path
-            (benchmarks/results/cpu_speed.md).
+            dense float weights. Default: on the CPU, where the packed-weight kernels of
+            `cpu_ext` do not take them (`cpu_ext.status()` says why) and they take at most a
+            quarter of the machine's memory as float32: MLX's own CPU quantized matmul reads
+            packed weights slower than MKL reads float32 ones (benchmarks/results/cpu_speed.md).
         group: split the model over this `mx.distributed` group before any weight is read:
             tensor parallel (`model.shard(group)`: 1/N of every layer's heads and MLP
             columns), or with `pipeline=True` pipeline parallel (`model.pipeline(group)`:
@@ -64,7 +67,8 @@ def load(
             (a larger tensor is a group of its own).
     Returns:
         (model, tokenizer): a family `Model` and an mlx-lm `TokenizerWrapper`. On the CPU its
-        RoPE and RMSNorm modules take the CPU paths of `loading/cpu.py` (`cpu_fast_paths`).
+        RoPE and RMSNorm modules take the CPU paths of `loading/cpu.py` (`cpu_fast_paths`),
+        and packed weights kept packed the products of `cpu_ext` (`packed_weight_paths`).
     Raises:
         FileNotFoundError: a path, config, weight file or shard is missing.
         ValueError: unsupported model type or GGUF architecture, or an unreadable file; a
@@ -85,8 +89,10 @@ def load(
         raise FileNotFoundError(
             f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
         )
+    on_cpu = mx.default_device() == mx.cpu
+    packed = on_cpu and dequantize is not True and packed_weights_supported(model)
     if dequantize is None:
-        dequantize = mx.default_device() == mx.cpu and 4 * _dense_parameters(model) <= _memory_bytes() // 4
+        dequantize = on_cpu and not packed and 4 * _dense_parameters(model) <= _memory_bytes() // 4
     if dequantize:
         from mlx_lm.utils import dequantize_model
 
@@ -98,9 +104,11 @@ def load(
             model.shard(group)
     if not lazy:
         _read_weights(model, progress)
-        if mx.default_device() == mx.cpu:
+        if on_cpu:
             column_major_weights(model)
-    if mx.default_device() == mx.cpu:
+    if on_cpu:
+        if packed:
+            packed_weight_paths(model)
         cpu_fast_paths(model)
     return model, tokenizer
 

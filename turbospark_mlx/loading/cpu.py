@@ -8,6 +8,9 @@ backend's small ops"). Here a RoPE module's rotation is taken from cos / sin tab
 module itself writes once per step, shared by every layer with the same rotation, and
 `nn.RMSNorm` runs as one compiled graph. Both compute what they replace, within float32
 rounding; a RoPE module whose output the tables do not reproduce is left as it is.
+
+Packed (quantized) Linear and Embedding layers take `cpu_ext.quantized_matmul`, which reads
+the packed weights directly (`packed_weight_paths`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,85 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import cpu_ext
+
 # Offsets and row counts at which a RoPE module's tables are checked against it before it is
 # replaced, and the largest difference allowed (relative to 1 + the output's largest value).
 _CHECK_AT = ((0, 1), (7, 5), (4093, 1))
 _CHECK_TOLERANCE = 1e-5
+
+
+def packed_weights_supported(model: nn.Module) -> bool:
+    """Whether every quantized layer of `model` can take `cpu_ext.quantized_matmul` here (and
+    the model has one)."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    layers = [m for _, m in model.named_modules() if isinstance(m, kinds)]
+    if not layers or not all(cpu_ext.supports(m.group_size, m.bits, m.mode) for m in layers):
+        return False
+    return cpu_ext.available()
+
+
+def packed_weight_paths(model: nn.Module) -> int:
+    """Give `model`'s quantized Linear / Embedding layers the packed-weight product of
+    `cpu_ext` (`PackedLinear`, `PackedEmbedding`), in place; returns how many it replaced.
+    Call it on loaded weights, where `packed_weights_supported(model)`."""
+    done = 0
+    for _, module in model.named_modules():
+        for name, child in list(module.children().items()):
+            if type(child) is nn.QuantizedLinear:
+                setattr(module, name, PackedLinear(child))
+            elif type(child) is nn.QuantizedEmbedding:
+                setattr(module, name, PackedEmbedding(child))
+            else:
+                continue
+            done += 1
+    return done
+
+
+def _packed_tables(layer: nn.Module) -> None:
+    """The packed weight row-contiguous, its scales and biases float32, as the kernel reads them."""
+    layer.weight = mx.contiguous(layer.weight)
+    layer.scales = mx.contiguous(layer.scales.astype(mx.float32))
+    layer.biases = mx.contiguous(layer.biases.astype(mx.float32))
+
+
+class PackedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` (the same parameters under the same names) whose product reads the
+    packed weight on the CPU (`cpu_ext.quantized_matmul`)."""
+
+    def __init__(self, layer: nn.QuantizedLinear):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        if "bias" in layer:
+            self.bias = layer.bias
+        _packed_tables(self)
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _packed_product(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class PackedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose `as_linear` (a tied output projection) reads the packed
+    weight on the CPU (`cpu_ext.quantized_matmul`); lookups are MLX's."""
+
+    def __init__(self, layer: nn.QuantizedEmbedding):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
+        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        _packed_tables(self)
+        self.freeze()
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _packed_product(self, x)
+
+
+def _packed_product(layer: nn.Module, x: mx.array) -> mx.array:
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    return cpu_ext.quantized_matmul(x, w, scales, biases, layer.group_size, layer.bits)
 
 
 def cpu_fast_paths(model: nn.Module) -> dict[str, int]:

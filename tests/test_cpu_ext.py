@@ -1,0 +1,178 @@
+"""The packed-weight products on the CPU (`turbospark_mlx/cpu_ext`): the kernel against its
+reference (`mx.dequantize` then a matmul) over bits, group sizes, row counts on both paths
+(packed rows, dequantized tiles through BLAS) and layouts; the layers `ts.load` puts in a
+quantized model's place; the build and the fallback when it cannot be used."""
+
+import copy
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import turbospark_mlx as ts
+from turbospark_mlx import cpu_ext
+from turbospark_mlx.loading.cpu import PackedEmbedding, PackedLinear, packed_weight_paths
+from test_loading import CONFIG, random_model, write_hf_dir
+
+
+def _avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512bw" in flags
+
+
+# Where the kernels can run, they must be in use: a build that fails here is a failure, not a skip.
+HOST = sys.platform.startswith("linux") and platform.machine() == "x86_64" and _avx512()
+pytestmark = pytest.mark.skipif(not HOST, reason="the CPU kernels need Linux on an x86-64 CPU with AVX-512")
+
+
+def test_the_kernels_are_built_and_in_use_here():
+    if os.environ.get("TURBOSPARK_CPU_KERNELS", "").lower() == "off":
+        pytest.skip("TURBOSPARK_CPU_KERNELS=off")
+    assert cpu_ext.available(), cpu_ext.status()
+    assert cpu_ext.status().startswith("in use ("), cpu_ext.status()
+
+
+def _reference(x, w, s, b, group_size, bits):
+    dense = mx.dequantize(w, s, b, group_size=group_size, bits=bits)
+    return (x.astype(mx.float32) @ dense.T).astype(x.dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_kernel_matches_the_reference(bits, group_size):
+    key = mx.random.key(bits * 1000 + group_size)
+    k1, k2 = mx.random.split(key)
+    # 300 outputs: split over threads, with a remainder; 1, 4 and 5 rows either side of the
+    # packed-rows / BLAS-tiles switch, 37 rows through the tiles.
+    for n, k in ((300, 256), (17, 384), (1, 128)):
+        w, s, b = mx.quantize(mx.random.normal((n, k), key=k1), group_size=group_size, bits=bits)
+        for rows in (1, 4, 5, 37):
+            x = mx.random.normal((rows, k), key=k2)
+            got = cpu_ext.quantized_matmul(x, w, s, b, group_size, bits)
+            want = _reference(x, w, s, b, group_size, bits)
+            assert got.shape == want.shape == (rows, n) and got.dtype == mx.float32
+            scale = mx.abs(want).max().item()
+            assert mx.abs(got - want).max().item() <= 2e-6 * scale * (k / 128), (n, k, rows)
+
+
+def test_leading_dimensions_strides_and_dtypes():
+    w, s, b = mx.quantize(mx.random.normal((96, 128), key=mx.random.key(1)), group_size=32, bits=4)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(2))
+    want = _reference(x, w, s, b, 32, 4)
+    assert mx.allclose(cpu_ext.quantized_matmul(x, w, s, b, 32, 4), want, atol=1e-4).item()
+    # a transposed (non-contiguous) input, one row and several
+    for xt in (mx.random.normal((128, 1), key=mx.random.key(3)).T, mx.random.normal((128, 6)).T):
+        got = cpu_ext.quantized_matmul(xt, w, s, b, 32, 4)
+        assert mx.allclose(got, _reference(xt, w, s, b, 32, 4), atol=1e-4).item()
+    half = x.astype(mx.float16)
+    got = cpu_ext.quantized_matmul(half, w, s, b, 32, 4)
+    assert got.dtype == mx.float16
+    assert mx.allclose(got, _reference(half, w, s, b, 32, 4), atol=2e-2, rtol=1e-2).item()
+
+
+def test_twice_gives_identical_outputs():
+    w, s, b = mx.quantize(mx.random.normal((1000, 512), key=mx.random.key(4)), group_size=64, bits=4)
+    for rows in (1, 64):
+        x = mx.random.normal((rows, 512), key=mx.random.key(rows))
+        first, second = (cpu_ext.quantized_matmul(x, w, s, b, 64, 4) for _ in range(2))
+        assert mx.array_equal(first, second).item()
+
+
+def test_bad_arguments_are_named():
+    w, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=32, bits=4)
+    x = mx.random.normal((1, 128))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        cpu_ext.quantized_matmul(x, w, s, b, 32, 3)
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        cpu_ext.quantized_matmul(x, w, s, b, 16, 4)
+    with pytest.raises(ValueError, match=r"scales and biases must be float32 of shape \(64, 4\)"):
+        cpu_ext.quantized_matmul(x, w, s[:, :2], b, 32, 4)
+    with pytest.raises(ValueError, match="last dimension 128"):
+        cpu_ext.quantized_matmul(mx.random.normal((1, 96)), w, s, b, 32, 4)
+
+
+def _quantized(model, bits=4, group_size=32):
+    nn.quantize(model, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_packed_layers_keep_a_quantized_models_logits_and_tokens():
+    config = dict(CONFIG, tie_word_embeddings=True)
+    reference = _quantized(random_model(config))
+    packed = copy.deepcopy(reference)
+    n = config["num_hidden_layers"]
+    assert packed_weight_paths(packed) == 7 * n + 1  # q, k, v, o, gate, up, down; the embedding
+    assert isinstance(packed.model.embed_tokens, PackedEmbedding)
+    assert isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
+    assert sorted(k for k, _ in nn.utils.tree_flatten(packed.parameters())) == sorted(
+        k for k, _ in nn.utils.tree_flatten(reference.parameters())
+    )
+    ids = mx.array([[5, 9, 14, 3, 22, 40, 7]])
+    for kv in ("fp16", "k8v4"):
+        caches = [ts.make_cache(m, kv) for m in (reference, packed)]
+        logits = [m(ids, cache=c) for m, c in zip((reference, packed), caches)]
+        for _ in range(6):
+            scale = 1 + mx.abs(logits[0]).max().item()
+            assert mx.abs(logits[0] - logits[1]).max().item() <= 1e-4 * scale, kv
+            y = mx.argmax(logits[0][:, -1], -1)[:, None]
+            assert mx.array_equal(y, mx.argmax(logits[1][:, -1], -1)[:, None]).item()
+            logits = [m(y, cache=c) for m, c in zip((reference, packed), caches)]
+
+
+def test_load_keeps_quantized_weights_packed_on_the_cpu(tmp_path):
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    packed, _ = ts.load(path)
+    dense, _ = ts.load(path, dequantize=True)
+    assert isinstance(packed.model.layers[1].self_attn.q_proj, PackedLinear)
+    assert type(dense.model.layers[1].self_attn.q_proj) is nn.Linear
+    ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    a, b = packed(ids), dense(ids)
+    assert mx.abs(a - b).max().item() <= 1e-4 * (1 + mx.abs(b).max().item())
+
+
+def test_turned_off_it_unpacks_as_before(tmp_path):
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    code = (
+        "import turbospark_mlx as ts, mlx.nn as nn, sys\n"
+        f"m, _ = ts.load({str(path)!r})\n"
+        "print(ts.cpu_ext.status()); print(type(m.model.layers[0].mlp.up_proj).__name__)\n"
+    )
+    env = dict(os.environ, TURBOSPARK_CPU_KERNELS="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["off (TURBOSPARK_CPU_KERNELS)", "Linear"], out.stdout + out.stderr
+
+
+def test_a_failed_build_warns_names_the_cause_and_unpacks(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_ext, "_state", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_ext.shutil, "which", lambda *a, **k: None)  # no cmake anywhere
+    with pytest.warns(RuntimeWarning, match="did not build .cmake was not found"):
+        assert not cpu_ext.available()
+    assert "cmake was not found" in cpu_ext.status()
+    with pytest.raises(RuntimeError, match="cmake was not found"):
+        w, s, b = mx.quantize(mx.zeros((8, 32)), group_size=32, bits=4)
+        cpu_ext.quantized_matmul(mx.zeros((1, 32)), w, s, b, 32, 4)
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_the_build_is_cached_per_source_and_version(monkeypatch, tmp_path):
+    if os.environ.get("TURBOSPARK_CPU_KERNELS", "").lower() == "off":
+        pytest.skip("TURBOSPARK_CPU_KERNELS=off")
+    assert cpu_ext.available()
+    built = Path(cpu_ext._extension().__file__)
+    assert built.parent.name == cpu_ext._build_key() and built.parent.parent == cpu_ext._cache_root()
+    # a second process finds the module and builds nothing
+    code = "import turbospark_mlx as ts; print(ts.cpu_ext.status())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"in use ({built})" and "building" not in out.stderr
