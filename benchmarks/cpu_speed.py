@@ -66,7 +66,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
 
     if path == "package":
         model, _ = ts.load(gguf_path(), dequantize=not weights.startswith("packed"))
-        out_kernels = ts.cpu_ext.status()
+        out_kernels = ts.cpu_ext.status() if weights == "packed" else "unused (dense or MLX's matmul)"
         if weights == "dense":  # back to the stored layout
             for _, m in model.named_modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
