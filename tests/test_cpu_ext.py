@@ -20,24 +20,37 @@ from turbospark_mlx.loading.cpu import PackedEmbedding, PackedLinear, packed_wei
 from test_loading import CONFIG, random_model, write_hf_dir
 
 
-def _avx512() -> bool:
+def _cpu_flags() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f" in flags and " avx512bw" in flags
+        return ""
 
 
+FLAGS = _cpu_flags()
+# The instruction sets whose kernels this CPU runs, widest first.
+NEEDS = {"avx512": (" avx512f", " avx512bw", " avx512vl"), "avx2": (" avx2", " fma")}
+ISAS = [name for name, flags in NEEDS.items() if all(f in FLAGS for f in flags)]
 # Where the kernels can run, they must be in use: a build that fails here is a failure, not a skip.
-HOST = sys.platform.startswith("linux") and platform.machine() == "x86_64" and _avx512()
-pytestmark = pytest.mark.skipif(not HOST, reason="the CPU kernels need Linux on an x86-64 CPU with AVX-512")
+HOST = sys.platform.startswith("linux") and platform.machine() == "x86_64" and bool(ISAS)
+pytestmark = pytest.mark.skipif(not HOST, reason="the CPU kernels need Linux on x86-64 with AVX2 or AVX-512")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each instruction set's kernels in turn, then the widest again."""
+    cpu_ext.set_isa(request.param)
+    yield request.param
+    cpu_ext.set_isa("auto")
 
 
 def test_the_kernels_are_built_and_in_use_here():
     if os.environ.get("TURBOSPARK_CPU_KERNELS", "").lower() == "off":
         pytest.skip("TURBOSPARK_CPU_KERNELS=off")
     assert cpu_ext.available(), cpu_ext.status()
-    assert cpu_ext.status().startswith("in use ("), cpu_ext.status()
+    assert cpu_ext.status().startswith(f"in use ({ISAS[0]}, "), cpu_ext.status()
+    with pytest.raises(ValueError, match="not one this CPU runs"):
+        cpu_ext.set_isa("sse2")
 
 
 def _reference(x, w, s, b, group_size, bits):
@@ -47,7 +60,7 @@ def _reference(x, w, s, b, group_size, bits):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_kernel_matches_the_reference(bits, group_size):
+def test_kernel_matches_the_reference(bits, group_size, isa):
     key = mx.random.key(bits * 1000 + group_size)
     k1, k2 = mx.random.split(key)
     # 300 outputs: split over threads, with a remainder; 1, 4 and 5 rows either side of the
@@ -63,7 +76,7 @@ def test_kernel_matches_the_reference(bits, group_size):
             assert mx.abs(got - want).max().item() <= 2e-6 * scale * (k / 128), (n, k, rows)
 
 
-def test_leading_dimensions_strides_and_dtypes():
+def test_leading_dimensions_strides_and_dtypes(isa):
     w, s, b = mx.quantize(mx.random.normal((96, 128), key=mx.random.key(1)), group_size=32, bits=4)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(2))
     want = _reference(x, w, s, b, 32, 4)
@@ -78,7 +91,7 @@ def test_leading_dimensions_strides_and_dtypes():
     assert mx.allclose(got, _reference(half, w, s, b, 32, 4), atol=2e-2, rtol=1e-2).item()
 
 
-def test_twice_gives_identical_outputs():
+def test_twice_gives_identical_outputs(isa):
     w, s, b = mx.quantize(mx.random.normal((1000, 512), key=mx.random.key(4)), group_size=64, bits=4)
     for rows in (1, 64):
         x = mx.random.normal((rows, 512), key=mx.random.key(rows))
@@ -175,4 +188,4 @@ def test_the_build_is_cached_per_source_and_version(monkeypatch, tmp_path):
     # a second process finds the module and builds nothing
     code = "import turbospark_mlx as ts; print(ts.cpu_ext.status())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == f"in use ({built})" and "building" not in out.stderr
+    assert out.stdout.strip() == f"in use ({ISAS[0]}, {built})" and "building" not in out.stderr

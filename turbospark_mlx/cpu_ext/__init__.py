@@ -9,9 +9,9 @@ decode step and through BLAS for prefill (`qmv.cpp`), as an MLX primitive inside
 The extension is compiled the first time it is needed, against the installed MLX, with CMake,
 a C++ compiler and nanobind (the `cpu` extra installs cmake and nanobind), into
 $XDG_CACHE_HOME/turbospark-mlx/cpu-ext/ (default ~/.cache); later processes load the built
-module. It runs on x86-64 CPUs with AVX-512. `status()` says whether it is in use and, if not,
-why; TURBOSPARK_CPU_KERNELS=off turns it off. Where it is not in use, `ts.load` unpacks
-quantized weights to float32 on the CPU instead (`loading`).
+module. It runs on x86-64 CPUs with AVX-512 or AVX2 (the widest they have). `status()` says
+whether it is in use and, if not, why; TURBOSPARK_CPU_KERNELS=off turns it off. Where it is not
+in use, `ts.load` unpacks quantized weights to float32 on the CPU instead (`loading`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from types import ModuleType
 
 import mlx.core as mx
 
-__all__ = ["available", "quantized_matmul", "status", "supports"]
+__all__ = ["available", "quantized_matmul", "set_isa", "status", "supports"]
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ("CMakeLists.txt", "bindings.cpp", "qmv.cpp", "qmv.h")
+_SOURCES = ("CMakeLists.txt", "bindings.cpp", "qmv.cpp", "qmv.h", "qmv_isa.h", "qmv_kernels.h",
+            "qmv_avx512.cpp", "qmv_avx2.cpp")  # fmt: skip
 _MODULE = "_tsx_cpu"
 _state: dict[str, object] = {}  # "module": the loaded extension, or "reason": why there is none
 
@@ -51,9 +52,19 @@ def available() -> bool:
 
 
 def status() -> str:
-    """"in use (<path>)", or why the packed-weight products are not in use."""
+    """"in use (<instruction set>, <path>)", or why the packed-weight products are not in use."""
     ext = _extension()
-    return f"in use ({ext.__file__})" if ext is not None else str(_state["reason"])
+    return f"in use ({ext.isa()}, {ext.__file__})" if ext is not None else str(_state["reason"])
+
+
+def set_isa(name: str) -> None:
+    """Run the kernels of one instruction set, "avx512" or "avx2" (to compare them, or to test
+    the narrower one on a CPU that has both), or the widest this CPU has ("auto", the default).
+    Raises ValueError for one this CPU lacks, RuntimeError where `available()` is False."""
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError(f"turbospark_mlx CPU kernels: {_state['reason']}")
+    ext.set_isa(name)
 
 
 def quantized_matmul(
@@ -103,8 +114,8 @@ def _unsupported_here() -> str | None:
         return f"not built for {sys.platform} {platform.machine()} (Linux x86-64 only)"
     cpu = Path("/proc/cpuinfo")
     flags = cpu.read_text(errors="replace") if cpu.exists() else ""
-    if " avx512f" not in flags or " avx512bw" not in flags:
-        return "this CPU has no AVX-512 (F and BW)"
+    if " avx2" not in flags or " fma" not in flags:
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
     return None
 
 
@@ -183,7 +194,7 @@ def _build(root: Path, target: Path) -> None:
 def _check(module: ModuleType) -> str | None:
     """None if the module runs here and matches `mx.dequantize` + matmul; else why not."""
     if not module.cpu_supported():
-        return "this CPU has no AVX-512 (F and BW)"
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
     key = mx.random.key(0)
     weight = mx.random.normal((48, 256), key=key)
     for bits, group_size in ((4, 32), (8, 64)):

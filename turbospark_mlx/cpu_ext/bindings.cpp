@@ -1,5 +1,6 @@
 // Python bindings: the module `_tsx_cpu` that turbospark_mlx/cpu_ext/__init__.py builds and loads.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "qmv.h"
@@ -20,4 +21,6 @@ NB_MODULE(_tsx_cpu, m) {
       nb::kw_only(),
       "stream"_a = nb::none());
   m.def("cpu_supported", &turbospark::cpu_supported);
+  m.def("isa", &turbospark::isa);
+  m.def("set_isa", &turbospark::set_isa, "name"_a);
 }

@@ -5,21 +5,22 @@
 // Products of more rows (prefill) dequantize the weight a tile at a time and hand each tile to
 // BLAS (`cblas_sgemm`, bound like MLX's own: MKL where turbospark_mlx loaded it). Rows of a
 // matrix are split over OpenMP threads, the libgomp pool MKL's GNU threading layer also uses,
-// so the two do not spin against each other. The reference is `mx.dequantize` then a matmul.
+// so the two do not spin against each other. The kernels themselves (qmv_kernels.h) are compiled
+// for AVX-512 and for AVX2 and chosen by what the CPU has. The reference is `mx.dequantize`
+// then a matmul.
 
 #include "qmv.h"
 
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "qmv_isa.h"
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -68,98 +69,39 @@ float* scratch(size_t n, int which) {
   return bufs[which].get();
 }
 
-#if defined(__x86_64__)
-#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+// The kernels in use: the widest the CPU runs, unless `set_isa` chose narrower ones.
+std::atomic<const kernels::Kernels*> chosen{nullptr};
 
-// 32 four-bit weights (16 bytes) against x permuted as its 16 even then 16 odd elements: the low
-// nibbles are the even elements, the high nibbles the odd ones.
-TS_AVX512 inline __m512 q4_block(const uint8_t* w, const float* x) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
-  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-  return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl");
 }
 
-// 32 eight-bit weights.
-TS_AVX512 inline __m512 q8_block(const uint8_t* w, const float* x) {
-  __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16));
-  __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(a));
-  __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-  return _mm512_fmadd_ps(fb, _mm512_loadu_ps(x + 16), _mm512_mul_ps(fa, _mm512_loadu_ps(x)));
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// out[n] for n in [n0, n1): sum over groups g of scale * (x_g . q_g) + bias * sum(x_g).
-// `x` is permuted for 4 bits (q4_block); `xsum` holds the sums of x per group.
-template <int bits>
-TS_AVX512 void packed_rows(const float* x, const float* xsum, const uint8_t* w, const float* s,
-                           const float* b, float* out, int n0, int n1, int K, int gs) {
-  const int blocks = K / 32, groups = K / gs, shift = gs == 32 ? 0 : gs == 64 ? 1 : 2;
-  const size_t row_bytes = size_t(K) * bits / 8;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    const float* sr = s + size_t(n) * groups;
-    const float* br = b + size_t(n) * groups;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    auto block = [&](int i) {
-      return bits == 4 ? q4_block(wr + i * 16, x + i * 32) : q8_block(wr + i * 32, x + i * 32);
-    };
-    int i = 0;
-    for (; i + 1 < blocks; i += 2) {  // two accumulators: independent FMA chains
-      a0 = _mm512_fmadd_ps(block(i), _mm512_set1_ps(sr[i >> shift]), a0);
-      a1 = _mm512_fmadd_ps(block(i + 1), _mm512_set1_ps(sr[(i + 1) >> shift]), a1);
-    }
-    if (i < blocks) {
-      a0 = _mm512_fmadd_ps(block(i), _mm512_set1_ps(sr[i >> shift]), a0);
-    }
-    float bias = 0.f;
-    for (int g = 0; g < groups; ++g) {
-      bias += br[g] * xsum[g];
-    }
-    out[n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + bias;
-  }
+const kernels::Kernels* widest() {
+  return has_avx512() ? &kernels::avx512 : has_avx2() ? &kernels::avx2 : nullptr;
 }
 
-// Rows [n0, n1) of the weight as float32, in order, to dst (row n at dst + (n - n0) * K).
-template <int bits>
-TS_AVX512 void dequantize_rows(const uint8_t* w, const float* s, const float* b, float* dst, int n0,
-                               int n1, int K, int gs) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const int groups = K / gs;
-  const size_t row_bytes = size_t(K) * bits / 8;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    float* d = dst + size_t(n - n0) * K;
-    for (int k = 0; k < K; k += 32) {
-      __m512 sc = _mm512_set1_ps(s[size_t(n) * groups + k / gs]);
-      __m512 bi = _mm512_set1_ps(b[size_t(n) * groups + k / gs]);
-      __m128i q0, q1;
-      if (bits == 4) {
-        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
-        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        q0 = _mm_unpacklo_epi8(lo, hi);
-        q1 = _mm_unpackhi_epi8(lo, hi);
-      } else {
-        q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
-        q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
-      }
-      _mm512_storeu_ps(d + k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), sc, bi));
-      _mm512_storeu_ps(d + k + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), sc, bi));
-    }
-  }
+const kernels::Kernels* in_use() {
+  auto* k = chosen.load();
+  return k != nullptr ? k : widest();
 }
 
 template <int bits>
-void product(const float* x, const uint8_t* w, const float* s, const float* b, float* out, int M, int N,
-             int K, int gs) {
+void product(const kernels::Kernels& kern, const float* x, const uint8_t* w, const float* s, const float* b,
+             float* out, int M, int N, int K, int gs) {
+  const auto packed = bits == 4 ? kern.packed4 : kern.packed8;
+  const auto dequantize = bits == 4 ? kern.dequantize4 : kern.dequantize8;
   if (M > kMaxPackedRows) {
     const int tile = std::max(16, std::min(N, int(kTileFloats / K)));
     float* buf = scratch(size_t(tile) * K, 0);
     for (int n0 = 0; n0 < N; n0 += tile) {
       const int rows = std::min(tile, N - n0);
       split_rows(rows, [&](int lo, int hi) {
-        dequantize_rows<bits>(w, s, b, buf + size_t(lo) * K, n0 + lo, n0 + hi, K, gs);
+        dequantize(w, s, b, buf + size_t(lo) * K, n0 + lo, n0 + hi, K, gs);
       });
       // row-major (101): out[:, n0:n0 + rows] = x @ tile.T (111: no transpose, 112: transpose)
       cblas_sgemm(101, 111, 112, M, rows, K, 1.f, x, K, buf, K, 0.f, out + n0, N);
@@ -189,10 +131,9 @@ void product(const float* x, const uint8_t* w, const float* s, const float* b, f
       xk = xp;
     }
     float* o = out + size_t(m) * N;
-    split_rows(N, [&](int lo, int hi) { packed_rows<bits>(xk, xsum, w, s, b, o, lo, hi, K, gs); });
+    split_rows(N, [&](int lo, int hi) { packed(xk, xsum, w, s, b, o, lo, hi, K, gs); });
   }
 }
-#endif  // __x86_64__
 
 // A row-contiguous copy of x's elements (x of any strides).
 void gather(const float* src, float* dst, const mx::Shape& shape, const mx::Strides& strides) {
@@ -218,11 +159,25 @@ void gather(const float* src, float* dst, const mx::Shape& shape, const mx::Stri
 } // namespace
 
 bool cpu_supported() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-#else
-  return false;
-#endif
+  return widest() != nullptr;
+}
+
+std::string isa() {
+  auto* k = in_use();
+  return k == &kernels::avx512 ? "avx512" : k == &kernels::avx2 ? "avx2" : "none";
+}
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    chosen.store(nullptr);
+  } else if (name == "avx512" && has_avx512()) {
+    chosen.store(&kernels::avx512);
+  } else if (name == "avx2" && has_avx2()) {
+    chosen.store(&kernels::avx2);
+  } else {
+    throw std::invalid_argument("[turbospark set_isa] '" + name +
+                                "' is not one this CPU runs (auto, avx512, avx2)");
+  }
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -285,8 +240,10 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   encoder.dispatch([xp = x.data<float>(), wp = w.data<uint8_t>(), sp = scales.data<float>(),
                     bp = biases.data<float>(), op = out.data<float>(), M, N, K, gs = group_size_,
                     bits = bits_, contiguous = x.flags().row_contiguous, shape = x.shape(),
-                    strides = x.strides()]() {
-#if defined(__x86_64__)
+                    strides = x.strides(), kern = in_use()]() {
+    if (kern == nullptr) {
+      throw std::runtime_error("[turbospark quantized_matmul] needs an x86-64 CPU with AVX2 and FMA");
+    }
     const float* xc = xp;
     std::unique_ptr<float[]> copy;
     if (!contiguous) {
@@ -295,13 +252,10 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector
       xc = copy.get();
     }
     if (bits == 4) {
-      product<4>(xc, wp, sp, bp, op, M, N, K, gs);
+      product<4>(*kern, xc, wp, sp, bp, op, M, N, K, gs);
     } else {
-      product<8>(xc, wp, sp, bp, op, M, N, K, gs);
+      product<8>(*kern, xc, wp, sp, bp, op, M, N, K, gs);
     }
-#else
-    throw std::runtime_error("[turbospark quantized_matmul] needs an x86-64 CPU with AVX-512");
-#endif
   });
 }
 

@@ -1,6 +1,8 @@
 // Products with MLX's packed affine weights (4 and 8 bits) on the CPU: one primitive, two paths.
 #pragma once
 
+#include <string>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -19,8 +21,14 @@ mx::array quantized_matmul(
     int bits,
     mx::StreamOrDevice s = {});
 
-// Whether this CPU runs the kernels (x86-64 with AVX-512 F and BW).
+// Whether this CPU runs the kernels (x86-64 with AVX-512 F/BW/VL, or AVX2 and FMA).
 bool cpu_supported();
+
+// The instruction set of the kernels in use: "avx512", "avx2" or "none".
+std::string isa();
+
+// Use the kernels of `name` ("avx512", "avx2"), or the widest this CPU runs ("auto").
+void set_isa(const std::string& name);
 
 class QuantizedMatmul : public mx::Primitive {
  public:

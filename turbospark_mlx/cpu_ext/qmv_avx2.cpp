@@ -1,0 +1,53 @@
+// The kernels of qmv_kernels.h on 8-float AVX2 vectors (compiled with -mavx2 -mfma).
+#include "qmv_isa.h"
+#include "qmv_kernels.h"
+
+namespace turbospark::kernels {
+namespace {
+
+struct V256 {
+  using type = __m256;
+  static type zero() { return _mm256_setzero_ps(); }
+  static type set1(float a) { return _mm256_set1_ps(a); }
+  static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  static type fmadd(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(type a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+  // The low 8 bytes of `bytes` as 8 floats.
+  static type f(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+  static type f_hi(__m128i bytes) { return f(_mm_srli_si128(bytes, 8)); }
+
+  template <int bits>
+  static type block(const uint8_t* w, const float* x, int i) {
+    x += i * 32;
+    __m128i q0, q1;
+    if (bits == 4) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
+      q0 = _mm_and_si128(v, mask);
+      q1 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    } else {
+      q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
+      q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
+    }
+    type a = _mm256_mul_ps(f(q0), _mm256_loadu_ps(x));
+    a = _mm256_fmadd_ps(f_hi(q0), _mm256_loadu_ps(x + 8), a);
+    a = _mm256_fmadd_ps(f(q1), _mm256_loadu_ps(x + 16), a);
+    return _mm256_fmadd_ps(f_hi(q1), _mm256_loadu_ps(x + 24), a);
+  }
+
+  static void store16(float* d, __m128i q, float scale, float bias) {
+    _mm256_storeu_ps(d, _mm256_fmadd_ps(f(q), set1(scale), set1(bias)));
+    _mm256_storeu_ps(d + 8, _mm256_fmadd_ps(f_hi(q), set1(scale), set1(bias)));
+  }
+};
+
+} // namespace
+
+const Kernels avx2 = {
+    packed_rows<V256, 4>, packed_rows<V256, 8>, dequantize_rows<V256, 4>, dequantize_rows<V256, 8>};
+
+} // namespace turbospark::kernels

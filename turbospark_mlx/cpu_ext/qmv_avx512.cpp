@@ -1,0 +1,45 @@
+// The kernels of qmv_kernels.h on 16-float AVX-512 vectors (compiled with -mavx512f/bw/vl).
+#include "qmv_isa.h"
+#include "qmv_kernels.h"
+
+namespace turbospark::kernels {
+namespace {
+
+struct V512 {
+  using type = __m512;
+  static type zero() { return _mm512_setzero_ps(); }
+  static type set1(float a) { return _mm512_set1_ps(a); }
+  static type add(type a, type b) { return _mm512_add_ps(a, b); }
+  static type fmadd(type a, type b, type c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(type a) { return _mm512_reduce_add_ps(a); }
+  static type f(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+  // Block i of 32 weights against x: a vector whose lanes sum to their dot product.
+  template <int bits>
+  static type block(const uint8_t* w, const float* x, int i) {
+    x += i * 32;
+    __m128i q0, q1;
+    if (bits == 4) {
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
+      q0 = _mm_and_si128(v, mask);  // the even elements: x permuted to match
+      q1 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    } else {
+      q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
+      q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
+    }
+    return _mm512_fmadd_ps(f(q1), _mm512_loadu_ps(x + 16), _mm512_mul_ps(f(q0), _mm512_loadu_ps(x)));
+  }
+
+  // 16 bytes of weights, dequantized, to 16 floats.
+  static void store16(float* d, __m128i q, float scale, float bias) {
+    _mm512_storeu_ps(d, _mm512_fmadd_ps(f(q), set1(scale), set1(bias)));
+  }
+};
+
+} // namespace
+
+const Kernels avx512 = {
+    packed_rows<V512, 4>, packed_rows<V512, 8>, dequantize_rows<V512, 4>, dequantize_rows<V512, 8>};
+
+} // namespace turbospark::kernels

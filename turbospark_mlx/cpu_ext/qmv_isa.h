@@ -1,0 +1,21 @@
+// The kernels of one instruction set, as plain function pointers (qmv_avx512.cpp, qmv_avx2.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace turbospark::kernels {
+
+using PackedRows = void (*)(const float* x, const float* xsum, const uint8_t* w, const float* s,
+                            const float* b, float* out, int n0, int n1, int K, int gs);
+using DequantizeRows = void (*)(const uint8_t* w, const float* s, const float* b, float* dst, int n0,
+                                int n1, int K, int gs);
+
+struct Kernels {
+  PackedRows packed4, packed8;
+  DequantizeRows dequantize4, dequantize8;
+};
+
+extern const Kernels avx512;
+extern const Kernels avx2;
+
+} // namespace turbospark::kernels

@@ -1,0 +1,71 @@
+// The packed-weight kernels, written once over a vector type `V` (AVX-512 or AVX2) and compiled
+// per instruction set (qmv_avx512.cpp, qmv_avx2.cpp). Only intrinsics here: nothing a file
+// compiled without these instructions could share.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace turbospark::kernels {
+
+// out[n] for n in [n0, n1): sum over groups g of scale * (x_g . q_g) + bias * sum(x_g), for
+// weights of `bits` (4 or 8) in MLX's packed layout. For 4 bits `x` is permuted per block of 32
+// as its 16 even then 16 odd elements: a byte's low nibble is the even element, its high nibble
+// the odd one. `xsum` holds x's sum per group.
+template <class V, int bits>
+void packed_rows(const float* x, const float* xsum, const uint8_t* w, const float* s, const float* b,
+                 float* out, int n0, int n1, int K, int gs) {
+  const int blocks = K / 32, groups = K / gs, shift = gs == 32 ? 0 : gs == 64 ? 1 : 2;
+  const size_t row_bytes = size_t(K) * bits / 8;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float* sr = s + size_t(n) * groups;
+    const float* br = b + size_t(n) * groups;
+    typename V::type a0 = V::zero(), a1 = V::zero();  // two independent FMA chains
+    int i = 0;
+    for (; i + 1 < blocks; i += 2) {
+      a0 = V::fmadd(V::template block<bits>(wr, x, i), V::set1(sr[i >> shift]), a0);
+      a1 = V::fmadd(V::template block<bits>(wr, x, i + 1), V::set1(sr[(i + 1) >> shift]), a1);
+    }
+    if (i < blocks) {
+      a0 = V::fmadd(V::template block<bits>(wr, x, i), V::set1(sr[i >> shift]), a0);
+    }
+    float bias = 0.f;
+    for (int g = 0; g < groups; ++g) {
+      bias += br[g] * xsum[g];
+    }
+    out[n] = V::sum(V::add(a0, a1)) + bias;
+  }
+}
+
+// Rows [n0, n1) of the weight as float32 in order, row n at dst + (n - n0) * K.
+template <class V, int bits>
+void dequantize_rows(const uint8_t* w, const float* s, const float* b, float* dst, int n0, int n1, int K,
+                     int gs) {
+  const int groups = K / gs;
+  const size_t row_bytes = size_t(K) * bits / 8;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    float* d = dst + size_t(n - n0) * K;
+    for (int k = 0; k < K; k += 32) {
+      const float sc = s[size_t(n) * groups + k / gs], bi = b[size_t(n) * groups + k / gs];
+      __m128i q0, q1;  // elements k .. k + 15 and k + 16 .. k + 31, one byte each
+      if (bits == 4) {
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
+        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        q0 = _mm_unpacklo_epi8(lo, hi);
+        q1 = _mm_unpackhi_epi8(lo, hi);
+      } else {
+        q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
+        q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
+      }
+      V::store16(d + k, q0, sc, bi);
+      V::store16(d + k + 16, q1, sc, bi);
+    }
+  }
+}
+
+} // namespace turbospark::kernels
