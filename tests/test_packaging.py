@@ -33,7 +33,8 @@ def test_wheel_ships_kernels(tmp_path):
     assert {p.name for p in (ROOT / "kernels").iterdir()} <= kernels
     # the CPU kernels' C++ sources and CMake file, built on first use after install
     cpu = {Path(n).name for n in names if n.startswith("turbospark_mlx/cpu_ext/")}
-    sources = {p.name for p in (ROOT / "turbospark_mlx" / "cpu_ext").iterdir() if p.suffix in (".cpp", ".h", ".txt")}
+    here = ROOT / "turbospark_mlx" / "cpu_ext"
+    sources = {p.name for p in here.iterdir() if p.suffix in (".cpp", ".h", ".txt")}
     assert {"CMakeLists.txt", "qmv.cpp", "qmv_avx2.cpp", "qmv_kernels.h"} <= sources <= cpu, cpu
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "the wheel lacks LICENSE"
     # Install it on its own and read a kernel source through the installed package.
