@@ -63,11 +63,11 @@ def _reference(x, w, s, b, group_size, bits):
 def test_kernel_matches_the_reference(bits, group_size, isa):
     key = mx.random.key(bits * 1000 + group_size)
     k1, k2 = mx.random.split(key)
-    # 300 outputs: split over threads, with a remainder; 1, 4 and 5 rows either side of the
-    # packed-rows / BLAS-tiles switch, 37 rows through the tiles.
+    # 300 outputs: split over threads, with a remainder. Rows: 1 to 4 in one pass over the packed
+    # weights, 5 and 8 in two, 9 and 37 through the BLAS tiles.
     for n, k in ((300, 256), (17, 384), (1, 128)):
         w, s, b = mx.quantize(mx.random.normal((n, k), key=k1), group_size=group_size, bits=bits)
-        for rows in (1, 4, 5, 37):
+        for rows in (1, 3, 4, 5, 8, 9, 37):
             x = mx.random.normal((rows, k), key=k2)
             got = cpu_ext.quantized_matmul(x, w, s, b, group_size, bits)
             want = _reference(x, w, s, b, group_size, bits)

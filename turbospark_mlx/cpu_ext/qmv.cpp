@@ -32,9 +32,9 @@ namespace turbospark {
 
 namespace {
 
-// Products of at most this many rows read the packed weights once per row; more go through
-// dequantized tiles and BLAS (crossover measured in docs/backends.md, "Packed weights").
-constexpr int kMaxPackedRows = 4;
+// Products of at most this many rows read the packed weights (kRowsPerPass rows a pass); more
+// go through dequantized tiles and BLAS (crossover measured in docs/backends.md, "Packed weights").
+constexpr int kMaxPackedRows = 8;
 // Floats in one dequantized tile (16 MiB), per product of more rows.
 constexpr size_t kTileFloats = size_t(1) << 22;
 // Rows below which a matrix is not split over threads.
@@ -108,30 +108,35 @@ void product(const kernels::Kernels& kern, const float* x, const uint8_t* w, con
     }
     return;
   }
-  const int groups = K / gs;
-  float* xp = scratch(size_t(K) + groups, 1);
-  float* xsum = xp + K;
-  for (int m = 0; m < M; ++m) {
-    const float* xr = x + size_t(m) * K;
-    for (int g = 0; g < groups; ++g) {
-      float acc = 0.f;
-      for (int k = 0; k < gs; ++k) {
-        acc += xr[g * gs + k];
+  // Up to kRowsPerPass rows per pass over the weights; 4-bit rows permuted (qmv_kernels.h).
+  const int groups = K / gs, pass = std::min(M, kernels::kRowsPerPass);
+  float* xp = scratch(size_t(pass) * (K + groups), 1);
+  float* xsum = xp + size_t(pass) * K;
+  for (int m0 = 0; m0 < M; m0 += kernels::kRowsPerPass) {
+    const int rows = std::min(kernels::kRowsPerPass, M - m0);
+    for (int r = 0; r < rows; ++r) {
+      const float* xr = x + size_t(m0 + r) * K;
+      for (int g = 0; g < groups; ++g) {
+        float acc = 0.f;
+        for (int k = 0; k < gs; ++k) {
+          acc += xr[g * gs + k];
+        }
+        xsum[size_t(r) * groups + g] = acc;
       }
-      xsum[g] = acc;
-    }
-    const float* xk = xr;
-    if (bits == 4) {
-      for (int k0 = 0; k0 < K; k0 += 32) {
-        for (int j = 0; j < 16; ++j) {
-          xp[k0 + j] = xr[k0 + 2 * j];
-          xp[k0 + 16 + j] = xr[k0 + 2 * j + 1];
+      if (bits == 4) {
+        float* xr_p = xp + size_t(r) * K;
+        for (int k0 = 0; k0 < K; k0 += 32) {
+          for (int j = 0; j < 16; ++j) {
+            xr_p[k0 + j] = xr[k0 + 2 * j];
+            xr_p[k0 + 16 + j] = xr[k0 + 2 * j + 1];
+          }
         }
       }
-      xk = xp;
     }
-    float* o = out + size_t(m) * N;
-    split_rows(N, [&](int lo, int hi) { packed(xk, xsum, w, s, b, o, lo, hi, K, gs); });
+    const float* xk = bits == 4 ? xp : x + size_t(m0) * K;
+    const auto kernel = packed[rows - 1];
+    float* o = out + size_t(m0) * N;
+    split_rows(N, [&](int lo, int hi) { kernel(xk, xsum, w, s, b, o, N, lo, hi, K, gs); });
   }
 }
 

@@ -20,9 +20,12 @@ struct V256 {
   static type f(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
   static type f_hi(__m128i bytes) { return f(_mm_srli_si128(bytes, 8)); }
 
+  // Block i of 32 weights as floats (see qmv_avx512.cpp), 8 to a vector.
+  struct Block {
+    type q[4];
+  };
   template <int bits>
-  static type block(const uint8_t* w, const float* x, int i) {
-    x += i * 32;
+  static Block weights(const uint8_t* w, int i) {
     __m128i q0, q1;
     if (bits == 4) {
       const __m128i mask = _mm_set1_epi8(0x0F);
@@ -33,10 +36,13 @@ struct V256 {
       q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
       q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
     }
-    type a = _mm256_mul_ps(f(q0), _mm256_loadu_ps(x));
-    a = _mm256_fmadd_ps(f_hi(q0), _mm256_loadu_ps(x + 8), a);
-    a = _mm256_fmadd_ps(f(q1), _mm256_loadu_ps(x + 16), a);
-    return _mm256_fmadd_ps(f_hi(q1), _mm256_loadu_ps(x + 24), a);
+    return {{f(q0), f_hi(q0), f(q1), f_hi(q1)}};
+  }
+  static type dot(const Block& b, const float* x) {
+    type a = _mm256_mul_ps(b.q[0], _mm256_loadu_ps(x));
+    a = _mm256_fmadd_ps(b.q[1], _mm256_loadu_ps(x + 8), a);
+    a = _mm256_fmadd_ps(b.q[2], _mm256_loadu_ps(x + 16), a);
+    return _mm256_fmadd_ps(b.q[3], _mm256_loadu_ps(x + 24), a);
   }
 
   static void store16(float* d, __m128i q, float scale, float bias) {
@@ -48,6 +54,9 @@ struct V256 {
 } // namespace
 
 const Kernels avx2 = {
-    packed_rows<V256, 4>, packed_rows<V256, 8>, dequantize_rows<V256, 4>, dequantize_rows<V256, 8>};
+    {packed_rows<V256, 4, 1>, packed_rows<V256, 4, 2>, packed_rows<V256, 4, 3>, packed_rows<V256, 4, 4>},
+    {packed_rows<V256, 8, 1>, packed_rows<V256, 8, 2>, packed_rows<V256, 8, 3>, packed_rows<V256, 8, 4>},
+    dequantize_rows<V256, 4>,
+    dequantize_rows<V256, 8>};
 
 } // namespace turbospark::kernels

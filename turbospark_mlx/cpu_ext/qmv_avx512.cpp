@@ -14,21 +14,24 @@ struct V512 {
   static float sum(type a) { return _mm512_reduce_add_ps(a); }
   static type f(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
 
-  // Block i of 32 weights against x: a vector whose lanes sum to their dot product.
+  // Block i of 32 weights as floats: the even then the odd elements for 4 bits (x permuted
+  // to match), in order for 8 bits.
+  struct Block {
+    type lo, hi;
+  };
   template <int bits>
-  static type block(const uint8_t* w, const float* x, int i) {
-    x += i * 32;
-    __m128i q0, q1;
+  static Block weights(const uint8_t* w, int i) {
     if (bits == 4) {
       const __m128i mask = _mm_set1_epi8(0x0F);
       __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
-      q0 = _mm_and_si128(v, mask);  // the even elements: x permuted to match
-      q1 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    } else {
-      q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
-      q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
+      return {f(_mm_and_si128(v, mask)), f(_mm_and_si128(_mm_srli_epi16(v, 4), mask))};
     }
-    return _mm512_fmadd_ps(f(q1), _mm512_loadu_ps(x + 16), _mm512_mul_ps(f(q0), _mm512_loadu_ps(x)));
+    return {f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32))),
+            f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16)))};
+  }
+  // A vector whose lanes sum to the block's dot product with x[0:32].
+  static type dot(const Block& q, const float* x) {
+    return _mm512_fmadd_ps(q.hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q.lo, _mm512_loadu_ps(x)));
   }
 
   // 16 bytes of weights, dequantized, to 16 floats.
@@ -40,6 +43,9 @@ struct V512 {
 } // namespace
 
 const Kernels avx512 = {
-    packed_rows<V512, 4>, packed_rows<V512, 8>, dequantize_rows<V512, 4>, dequantize_rows<V512, 8>};
+    {packed_rows<V512, 4, 1>, packed_rows<V512, 4, 2>, packed_rows<V512, 4, 3>, packed_rows<V512, 4, 4>},
+    {packed_rows<V512, 8, 1>, packed_rows<V512, 8, 2>, packed_rows<V512, 8, 3>, packed_rows<V512, 8, 4>},
+    dequantize_rows<V512, 4>,
+    dequantize_rows<V512, 8>};
 
 } // namespace turbospark::kernels

@@ -8,35 +8,53 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "qmv_isa.h"
+
 namespace turbospark::kernels {
 
-// out[n] for n in [n0, n1): sum over groups g of scale * (x_g . q_g) + bias * sum(x_g), for
-// weights of `bits` (4 or 8) in MLX's packed layout. For 4 bits `x` is permuted per block of 32
-// as its 16 even then 16 odd elements: a byte's low nibble is the even element, its high nibble
-// the odd one. `xsum` holds x's sum per group.
-template <class V, int bits>
+// out[m * out_stride + n] for m < M and n in [n0, n1): sum over groups g of
+// scale * (x_m,g . q_g) + bias * sum(x_m,g), for weights of `bits` (4 or 8) in MLX's packed
+// layout, each block of 32 weights converted once for all M rows. For 4 bits each row of `x` is
+// permuted per block of 32 as its 16 even then 16 odd elements: a byte's low nibble is the even
+// element, its high nibble the odd one. `xsum` holds each row's sum per group (M x K / gs).
+template <class V, int bits, int M>
 void packed_rows(const float* x, const float* xsum, const uint8_t* w, const float* s, const float* b,
-                 float* out, int n0, int n1, int K, int gs) {
+                 float* out, size_t out_stride, int n0, int n1, int K, int gs) {
   const int blocks = K / 32, groups = K / gs, shift = gs == 32 ? 0 : gs == 64 ? 1 : 2;
   const size_t row_bytes = size_t(K) * bits / 8;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     const float* sr = s + size_t(n) * groups;
     const float* br = b + size_t(n) * groups;
-    typename V::type a0 = V::zero(), a1 = V::zero();  // two independent FMA chains
+    typename V::type acc[M == 1 ? 2 : M];
+    for (auto& a : acc) {
+      a = V::zero();
+    }
     int i = 0;
-    for (; i + 1 < blocks; i += 2) {
-      a0 = V::fmadd(V::template block<bits>(wr, x, i), V::set1(sr[i >> shift]), a0);
-      a1 = V::fmadd(V::template block<bits>(wr, x, i + 1), V::set1(sr[(i + 1) >> shift]), a1);
+    if constexpr (M == 1) {  // one row: two blocks at a time, two independent FMA chains
+      for (; i + 1 < blocks; i += 2) {
+        acc[0] = V::fmadd(V::dot(V::template weights<bits>(wr, i), x + i * 32), V::set1(sr[i >> shift]), acc[0]);
+        acc[1] = V::fmadd(V::dot(V::template weights<bits>(wr, i + 1), x + (i + 1) * 32),
+                          V::set1(sr[(i + 1) >> shift]), acc[1]);
+      }
     }
-    if (i < blocks) {
-      a0 = V::fmadd(V::template block<bits>(wr, x, i), V::set1(sr[i >> shift]), a0);
+    for (; i < blocks; ++i) {
+      const auto q = V::template weights<bits>(wr, i);
+      const auto scale = V::set1(sr[i >> shift]);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = V::fmadd(V::dot(q, x + size_t(m) * K + i * 32), scale, acc[m]);
+      }
     }
-    float bias = 0.f;
-    for (int g = 0; g < groups; ++g) {
-      bias += br[g] * xsum[g];
+    if constexpr (M == 1) {
+      acc[0] = V::add(acc[0], acc[1]);
     }
-    out[n] = V::sum(V::add(a0, a1)) + bias;
+    for (int m = 0; m < M; ++m) {
+      float bias = 0.f;
+      for (int g = 0; g < groups; ++g) {
+        bias += br[g] * xsum[size_t(m) * groups + g];
+      }
+      out[m * out_stride + n] = V::sum(acc[m]) + bias;
+    }
   }
 }
 
