@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -99,6 +100,30 @@ def test_twice_gives_identical_outputs(isa):
         assert mx.array_equal(first, second).item()
 
 
+def test_runs_on_a_threads_own_stream():
+    # The server's engine thread runs the model on a thread-local stream, as mlx-lm's does.
+    w, s, b = mx.quantize(mx.random.normal((64, 128), key=mx.random.key(5)), group_size=32, bits=4)
+    x = mx.random.normal((3, 128), key=mx.random.key(6))
+    mx.eval(w, s, b, x)
+    want = _reference(x, w, s, b, 32, 4)
+    out = {}
+
+    def run():
+        try:
+            with mx.stream(mx.new_thread_local_stream(mx.cpu)):
+                y = cpu_ext.quantized_matmul(x, w, s, b, 32, 4)
+                mx.eval(y)
+                out["y"] = y
+        except Exception as e:  # reported below, on the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    assert mx.allclose(out["y"], want, atol=1e-4).item()
+
+
 def test_bad_arguments_are_named():
     w, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=32, bits=4)
     x = mx.random.normal((1, 128))
@@ -151,6 +176,27 @@ def test_load_keeps_quantized_weights_packed_on_the_cpu(tmp_path):
     ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     a, b = packed(ids), dense(ids)
     assert mx.abs(a - b).max().item() <= 1e-4 * (1 + mx.abs(b).max().item())
+
+
+def test_a_loaded_model_runs_on_another_threads_stream(tmp_path):
+    # As the server's engine thread runs it: streams made on the loading thread are not there.
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    model, _ = ts.load(write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config))
+    ids, out = mx.array([[3, 1, 4, 1, 5]]), {}
+
+    def run():
+        try:
+            with mx.stream(mx.new_thread_local_stream(mx.cpu)):
+                out["logits"] = model(ids)
+                mx.eval(out["logits"])
+        except Exception as e:  # reported below, on the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    assert mx.allclose(out["logits"], model(ids), atol=1e-4).item()
 
 
 def test_turned_off_it_unpacks_as_before(tmp_path):

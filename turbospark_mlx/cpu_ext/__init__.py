@@ -78,8 +78,14 @@ def quantized_matmul(
     ext = _extension()
     if ext is None:
         raise RuntimeError(f"turbospark_mlx CPU kernels: {_state['reason']}")
-    y = ext.quantized_matmul(x, w, scales, biases, group_size, bits, stream=mx.cpu)
+    y = ext.quantized_matmul(x, w, scales, biases, group_size, bits, stream=_cpu_stream())
     return y if x.dtype == mx.float32 else y.astype(x.dtype)
+
+
+def _cpu_stream() -> mx.Stream | mx.Device:
+    """The current stream where the default device is the CPU (a thread-local stream, such as
+    the server's engine thread runs on, included), else the CPU's default stream."""
+    return mx.default_stream(mx.cpu) if mx.default_device() == mx.cpu else mx.cpu
 
 
 def _extension() -> ModuleType | None:
@@ -195,18 +201,18 @@ def _check(module: ModuleType) -> str | None:
     """None if the module runs here and matches `mx.dequantize` + matmul; else why not."""
     if not module.cpu_supported():
         return "this CPU has neither AVX-512 nor AVX2 with FMA"
-    key = mx.random.key(0)
-    weight = mx.random.normal((48, 256), key=key)
+    key, cpu = mx.random.key(0), _cpu_stream()
+    weight = mx.random.normal((48, 256), key=key, stream=cpu)
     for bits, group_size in ((4, 32), (8, 64)):
-        w, s, b = mx.quantize(weight, group_size=group_size, bits=bits, stream=mx.cpu)
-        dense = mx.dequantize(w, s, b, group_size=group_size, bits=bits, stream=mx.cpu)
-        for rows in (1, 8):
-            x = mx.random.normal((rows, 256), key=mx.random.split(key)[rows % 2])
+        w, s, b = mx.quantize(weight, group_size=group_size, bits=bits, stream=cpu)
+        dense = mx.dequantize(w, s, b, group_size=group_size, bits=bits, stream=cpu)
+        for rows in (1, 8, 9):
+            x = mx.random.normal((rows, 256), key=mx.random.split(key)[rows % 2], stream=cpu)
             try:
-                got = module.quantized_matmul(x, w, s, b, group_size, bits, stream=mx.cpu)
+                got = module.quantized_matmul(x, w, s, b, group_size, bits, stream=cpu)
             except TypeError as e:  # MLX and the module disagree on nanobind's ABI
                 return f"the built module does not take MLX arrays ({e}); nanobind and MLX disagree"
-            want = mx.matmul(x, dense.T, stream=mx.cpu)
+            want = mx.matmul(x, dense.T, stream=cpu)
             if not mx.allclose(got, want, rtol=1e-4, atol=1e-4).item():
                 return f"the built module's {bits}-bit product differs from mx.dequantize + matmul"
     return None

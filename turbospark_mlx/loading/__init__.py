@@ -109,6 +109,8 @@ def load(
     if on_cpu:
         if packed:
             packed_weight_paths(model)
+            if not lazy:  # evaluated here: a thread that runs the model (the server's) has other streams
+                mx.eval(model.parameters())
         cpu_fast_paths(model)
     return model, tokenizer
 
