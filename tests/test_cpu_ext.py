@@ -92,6 +92,19 @@ def test_leading_dimensions_strides_and_dtypes(isa):
     assert mx.allclose(got, _reference(half, w, s, b, 32, 4), atol=2e-2, rtol=1e-2).item()
 
 
+def test_a_rows_result_does_not_depend_on_its_batch(isa):
+    # Up to 8 rows (the packed path): a sequence batched with others gets the bits it gets alone,
+    # so the server's batched requests equal `generate` run alone.
+    for bits in (4, 8):
+        w, s, b = mx.quantize(mx.random.normal((300, 320), key=mx.random.key(bits)), group_size=64, bits=bits)
+        x = mx.random.normal((8, 320), key=mx.random.key(7))
+        alone = [cpu_ext.quantized_matmul(x[i : i + 1], w, s, b, 64, bits) for i in range(8)]
+        for rows in (2, 3, 5, 8):
+            batch = cpu_ext.quantized_matmul(x[:rows], w, s, b, 64, bits)
+            for i in range(rows):
+                assert mx.array_equal(batch[i : i + 1], alone[i]).item(), (bits, rows, i)
+
+
 def test_twice_gives_identical_outputs(isa):
     w, s, b = mx.quantize(mx.random.normal((1000, 512), key=mx.random.key(4)), group_size=64, bits=4)
     for rows in (1, 64):

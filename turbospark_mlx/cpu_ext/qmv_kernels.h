@@ -26,34 +26,36 @@ void packed_rows(const float* x, const float* xsum, const uint8_t* w, const floa
     const uint8_t* wr = w + n * row_bytes;
     const float* sr = s + size_t(n) * groups;
     const float* br = b + size_t(n) * groups;
-    typename V::type acc[M == 1 ? 2 : M];
-    for (auto& a : acc) {
-      a = V::zero();
+    // Two FMA chains per row, even and odd blocks: independent chains for one row, and each row
+    // summed in the same order whatever M is, so a row's result does not depend on its batch.
+    typename V::type even[M], odd[M];
+    for (int m = 0; m < M; ++m) {
+      even[m] = V::zero();
+      odd[m] = V::zero();
     }
     int i = 0;
-    if constexpr (M == 1) {  // one row: two blocks at a time, two independent FMA chains
-      for (; i + 1 < blocks; i += 2) {
-        acc[0] = V::fmadd(V::dot(V::template weights<bits>(wr, i), x + i * 32), V::set1(sr[i >> shift]), acc[0]);
-        acc[1] = V::fmadd(V::dot(V::template weights<bits>(wr, i + 1), x + (i + 1) * 32),
-                          V::set1(sr[(i + 1) >> shift]), acc[1]);
+    for (; i + 1 < blocks; i += 2) {
+      const auto q0 = V::template weights<bits>(wr, i), q1 = V::template weights<bits>(wr, i + 1);
+      const auto s0 = V::set1(sr[i >> shift]), s1 = V::set1(sr[(i + 1) >> shift]);
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + size_t(m) * K + i * 32;
+        even[m] = V::fmadd(V::dot(q0, xm), s0, even[m]);
+        odd[m] = V::fmadd(V::dot(q1, xm + 32), s1, odd[m]);
       }
     }
-    for (; i < blocks; ++i) {
+    if (i < blocks) {
       const auto q = V::template weights<bits>(wr, i);
       const auto scale = V::set1(sr[i >> shift]);
       for (int m = 0; m < M; ++m) {
-        acc[m] = V::fmadd(V::dot(q, x + size_t(m) * K + i * 32), scale, acc[m]);
+        even[m] = V::fmadd(V::dot(q, x + size_t(m) * K + i * 32), scale, even[m]);
       }
-    }
-    if constexpr (M == 1) {
-      acc[0] = V::add(acc[0], acc[1]);
     }
     for (int m = 0; m < M; ++m) {
       float bias = 0.f;
       for (int g = 0; g < groups; ++g) {
         bias += br[g] * xsum[size_t(m) * groups + g];
       }
-      out[m * out_stride + n] = V::sum(acc[m]) + bias;
+      out[m * out_stride + n] = V::sum(V::add(even[m], odd[m])) + bias;
     }
   }
 }
