@@ -212,6 +212,19 @@ def test_a_loaded_model_runs_on_another_threads_stream(tmp_path):
     assert mx.allclose(out["logits"], model(ids), atol=1e-4).item()
 
 
+def test_a_model_split_by_heads_is_unpacked(tmp_path):
+    # `shard` turns layers into mlx-lm's sharded kinds, which the kernels do not take: packed,
+    # they would run MLX's slow quantized matmul, so the loader unpacks them first.
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    sharded, _ = ts.load(path, group=mx.distributed.init())  # a group of one, in this process
+    kinds = {type(m).__name__ for name, m in sharded.named_modules() if name.endswith("_proj")}
+    assert kinds and not any("Quantized" in k for k in kinds), kinds
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    want = ts.load(path)[0](ids)
+    assert mx.abs(sharded(ids) - want).max().item() <= 1e-4 * (1 + mx.abs(want).max().item())
+
+
 def test_turned_off_it_unpacks_as_before(tmp_path):
     config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
     path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)

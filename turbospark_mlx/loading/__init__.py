@@ -53,9 +53,10 @@ def load(
         lazy: leave weights unevaluated until first use.
         dequantize: unpack quantized weights (GGUF Q4/Q8, mlx-community checkpoints) into
             dense float weights. Default: on the CPU, where the packed-weight kernels of
-            `cpu_ext` do not take them (`cpu_ext.status()` says why) and they take at most a
-            quarter of the machine's memory as float32: MLX's own CPU quantized matmul reads
-            packed weights slower than MKL reads float32 ones (benchmarks/results/cpu_speed.md).
+            `cpu_ext` do not take them (`cpu_ext.status()` says why; nor do they take a model
+            split by heads over a `group`) and they take at most a quarter of the machine's
+            memory as float32: MLX's own CPU quantized matmul reads packed weights slower than
+            MKL reads float32 ones (benchmarks/results/cpu_speed.md).
         group: split the model over this `mx.distributed` group before any weight is read:
             tensor parallel (`model.shard(group)`: 1/N of every layer's heads and MLP
             columns), or with `pipeline=True` pipeline parallel (`model.pipeline(group)`:
@@ -90,7 +91,9 @@ def load(
             f"{str(path_or_repo)!r} is neither a file, a directory, nor a Hugging Face repo id (org/name)"
         )
     on_cpu = mx.default_device() == mx.cpu
-    packed = on_cpu and dequantize is not True and packed_weights_supported(model)
+    # Split by heads (`shard`), layers become mlx-lm's sharded kinds, which the kernels do not take.
+    sharded = group is not None and not pipeline
+    packed = on_cpu and dequantize is not True and not sharded and packed_weights_supported(model)
     if dequantize is None:
         dequantize = on_cpu and not packed and 4 * _dense_parameters(model) <= _memory_bytes() // 4
     if dequantize:
