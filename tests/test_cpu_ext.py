@@ -15,9 +15,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+import families
 import turbospark_mlx as ts
 from turbospark_mlx import cpu_ext
-from turbospark_mlx.loading.cpu import PackedEmbedding, PackedLinear, packed_weight_paths
+from turbospark_mlx.loading.cpu import (
+    PackedEmbedding,
+    PackedLinear,
+    packed_weight_paths,
+    packed_weights_supported,
+)
 from test_loading import CONFIG, random_model, write_hf_dir
 
 
@@ -210,6 +216,17 @@ def test_a_loaded_model_runs_on_another_threads_stream(tmp_path):
     thread.join()
     assert "error" not in out, out.get("error")
     assert mx.allclose(out["logits"], model(ids), atol=1e-4).item()
+
+
+def test_only_models_whose_packed_layers_all_take_the_kernels_stay_packed():
+    assert packed_weights_supported(_quantized(random_model()))
+    assert not packed_weights_supported(random_model())  # nothing packed
+    assert not packed_weights_supported(_quantized(random_model(), bits=3))
+    # gpt-oss's experts become mlx-lm's QuantizedSwitchLinear, which the kernels do not take
+    _, moe = families.pair("gpt_oss")
+    nn.quantize(moe, group_size=32, bits=4)
+    assert any(type(m).__name__ == "QuantizedSwitchLinear" for _, m in moe.named_modules())
+    assert not packed_weights_supported(moe)
 
 
 def test_a_model_split_by_heads_is_unpacked(tmp_path):

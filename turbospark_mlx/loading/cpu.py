@@ -32,10 +32,13 @@ _CHECK_TOLERANCE = 1e-5
 
 def packed_weights_supported(model: nn.Module) -> bool:
     """Whether every quantized layer of `model` can take `cpu_ext.quantized_matmul` here (and
-    the model has one)."""
+    the model has one). A layer of another kind with packed weights (mlx-lm's quantized MoE
+    experts, `QuantizedSwitchLinear`) would keep MLX's slow CPU path: then the answer is no."""
     kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
-    layers = [m for _, m in model.named_modules() if isinstance(m, kinds)]
-    if not layers or not all(cpu_ext.supports(m.group_size, m.bits, m.mode) for m in layers):
+    layers = [m for _, m in model.named_modules() if "scales" in m]
+    if not layers or not all(type(m) in kinds for m in layers):
+        return False
+    if not all(cpu_ext.supports(m.group_size, m.bits, m.mode) for m in layers):
         return False
     return cpu_ext.available()
 
