@@ -129,23 +129,29 @@ def test_runs_on_a_threads_own_stream():
     w, s, b = mx.quantize(mx.random.normal((64, 128), key=mx.random.key(5)), group_size=32, bits=4)
     x = mx.random.normal((3, 128), key=mx.random.key(6))
     mx.eval(w, s, b, x)
-    want = _reference(x, w, s, b, 32, 4)
+    y = _on_a_thread_local_stream(lambda: cpu_ext.quantized_matmul(x, w, s, b, 32, 4))
+    assert mx.allclose(y, _reference(x, w, s, b, 32, 4), atol=1e-4).item()
+
+
+def _on_a_thread_local_stream(compute):
+    """compute(), evaluated on another thread under its own thread-local stream, as the
+    server's engine thread runs the model; its exception raised here."""
     out = {}
 
     def run():
         try:
             with mx.stream(mx.new_thread_local_stream(mx.cpu)):
-                y = cpu_ext.quantized_matmul(x, w, s, b, 32, 4)
-                mx.eval(y)
-                out["y"] = y
-        except Exception as e:  # reported below, on the test's thread
+                out["value"] = compute()
+                mx.eval(out["value"])
+        except Exception as e:  # raised below, on the test's thread
             out["error"] = e
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    assert "error" not in out, out.get("error")
-    assert mx.allclose(out["y"], want, atol=1e-4).item()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def test_bad_arguments_are_named():
@@ -165,6 +171,12 @@ def _quantized(model, bits=4, group_size=32):
     nn.quantize(model, group_size=group_size, bits=bits)
     mx.eval(model.parameters())
     return model
+
+
+def _quantized_dir(tmp_path):
+    """An HF directory of a tiny llama quantized as mlx-community publishes it (4 bits, groups of 32)."""
+    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
+    return write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
 
 
 def test_packed_layers_keep_a_quantized_models_logits_and_tokens():
@@ -191,8 +203,7 @@ def test_packed_layers_keep_a_quantized_models_logits_and_tokens():
 
 
 def test_load_keeps_quantized_weights_packed_on_the_cpu(tmp_path):
-    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
-    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    path = _quantized_dir(tmp_path)
     packed, _ = ts.load(path)
     dense, _ = ts.load(path, dequantize=True)
     assert isinstance(packed.model.layers[1].self_attn.q_proj, PackedLinear)
@@ -204,23 +215,10 @@ def test_load_keeps_quantized_weights_packed_on_the_cpu(tmp_path):
 
 def test_a_loaded_model_runs_on_another_threads_stream(tmp_path):
     # As the server's engine thread runs it: streams made on the loading thread are not there.
-    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
-    model, _ = ts.load(write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config))
-    ids, out = mx.array([[3, 1, 4, 1, 5]]), {}
-
-    def run():
-        try:
-            with mx.stream(mx.new_thread_local_stream(mx.cpu)):
-                out["logits"] = model(ids)
-                mx.eval(out["logits"])
-        except Exception as e:  # reported below, on the test's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    assert "error" not in out, out.get("error")
-    assert mx.allclose(out["logits"], model(ids), atol=1e-4).item()
+    model, _ = ts.load(_quantized_dir(tmp_path))
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    logits = _on_a_thread_local_stream(lambda: model(ids))
+    assert mx.allclose(logits, model(ids), atol=1e-4).item()
 
 
 def test_only_models_whose_packed_layers_all_take_the_kernels_stay_packed():
@@ -237,8 +235,7 @@ def test_only_models_whose_packed_layers_all_take_the_kernels_stay_packed():
 def test_a_model_split_by_heads_is_unpacked(tmp_path):
     # `shard` turns layers into mlx-lm's sharded kinds, which the kernels do not take: packed,
     # they would run MLX's slow quantized matmul, so the loader unpacks them first.
-    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
-    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    path = _quantized_dir(tmp_path)
     sharded, _ = ts.load(path, group=mx.distributed.init())  # a group of one, in this process
     kinds = {type(m).__name__ for name, m in sharded.named_modules() if name.endswith("_proj")}
     assert kinds and not any("Quantized" in k for k in kinds), kinds
@@ -248,8 +245,7 @@ def test_a_model_split_by_heads_is_unpacked(tmp_path):
 
 
 def test_turned_off_it_unpacks_as_before(tmp_path):
-    config = dict(CONFIG, quantization={"group_size": 32, "bits": 4})
-    path = write_hf_dir(tmp_path / "q", _quantized(random_model()), config=config)
+    path = _quantized_dir(tmp_path)
     code = (
         "import turbospark_mlx as ts, mlx.nn as nn, sys\n"
         f"m, _ = ts.load({str(path)!r})\n"
