@@ -27,15 +27,7 @@ struct V256 {
   template <int bits>
   static Block weights(const uint8_t* w, int i) {
     __m128i q0, q1;
-    if (bits == 4) {
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
-      q0 = _mm_and_si128(v, mask);
-      q1 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    } else {
-      q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
-      q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
-    }
+    block_bytes<bits>(w, i, q0, q1);
     return {{f(q0), f_hi(q0), f(q1), f_hi(q1)}};
   }
   static type dot(const Block& b, const float* x) {

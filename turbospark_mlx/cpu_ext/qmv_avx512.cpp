@@ -21,13 +21,9 @@ struct V512 {
   };
   template <int bits>
   static Block weights(const uint8_t* w, int i) {
-    if (bits == 4) {
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
-      return {f(_mm_and_si128(v, mask)), f(_mm_and_si128(_mm_srli_epi16(v, 4), mask))};
-    }
-    return {f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32))),
-            f(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16)))};
+    __m128i q0, q1;
+    block_bytes<bits>(w, i, q0, q1);
+    return {f(q0), f(q1)};
   }
   // A vector whose lanes sum to the block's dot product with x[0:32].
   static type dot(const Block& q, const float* x) {

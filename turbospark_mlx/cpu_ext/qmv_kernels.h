@@ -12,6 +12,26 @@
 
 namespace turbospark::kernels {
 
+// Internal linkage: each instruction set's file gets its own copy, compiled with its flags.
+namespace {
+
+// Block i of 32 weights as 32 bytes, one per weight: for 4 bits its even elements in `a` and its
+// odd ones in `b` (a byte's low and high nibbles), for 8 bits elements 0-15 and 16-31.
+template <int bits>
+inline void block_bytes(const uint8_t* w, int i, __m128i& a, __m128i& b) {
+  if (bits == 4) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 16));
+    a = _mm_and_si128(v, mask);
+    b = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  } else {
+    a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32));
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * 32 + 16));
+  }
+}
+
+} // namespace
+
 // out[m * out_stride + n] for m < M and n in [n0, n1): sum over groups g of
 // scale * (x_m,g . q_g) + bias * sum(x_m,g), for weights of `bits` (4 or 8) in MLX's packed
 // layout, each block of 32 weights converted once for all M rows. For 4 bits each row of `x` is
@@ -72,15 +92,11 @@ void dequantize_rows(const uint8_t* w, const float* s, const float* b, float* ds
     for (int k = 0; k < K; k += 32) {
       const float sc = s[size_t(n) * groups + k / gs], bi = b[size_t(n) * groups + k / gs];
       __m128i q0, q1;  // elements k .. k + 15 and k + 16 .. k + 31, one byte each
-      if (bits == 4) {
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
-        __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        q0 = _mm_unpacklo_epi8(lo, hi);
-        q1 = _mm_unpackhi_epi8(lo, hi);
-      } else {
-        q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
-        q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
+      block_bytes<bits>(wr, k / 32, q0, q1);
+      if (bits == 4) {  // even and odd elements, interleaved back into order
+        const __m128i even = q0;
+        q0 = _mm_unpacklo_epi8(even, q1);
+        q1 = _mm_unpackhi_epi8(even, q1);
       }
       V::store16(d + k, q0, sc, bi);
       V::store16(d + k + 16, q1, sc, bi);
