@@ -15,7 +15,8 @@ using DequantizeRows = void (*)(const uint8_t* w, const float* s, const float* b
                                 int n1, int K, int gs);
 
 struct Kernels {
-  PackedRows packed4[kRowsPerPass], packed8[kRowsPerPass];  // [M - 1]: M rows of x in one pass over the weights
+  // [M - 1]: M rows of x in one pass over the weights
+  PackedRows packed4[kRowsPerPass], packed8[kRowsPerPass];
   DequantizeRows dequantize4, dequantize8;
 };
 
