@@ -47,24 +47,23 @@ def packed_weight_paths(model: nn.Module) -> int:
     """Give `model`'s quantized Linear / Embedding layers the packed-weight product of
     `cpu_ext` (`PackedLinear`, `PackedEmbedding`), in place; returns how many it replaced.
     Call it on loaded weights, where `packed_weights_supported(model)`."""
+    packed = {nn.QuantizedLinear: PackedLinear, nn.QuantizedEmbedding: PackedEmbedding}
     done = 0
     for _, module in model.named_modules():
         for name, child in list(module.children().items()):
-            if type(child) is nn.QuantizedLinear:
-                setattr(module, name, PackedLinear(child))
-            elif type(child) is nn.QuantizedEmbedding:
-                setattr(module, name, PackedEmbedding(child))
-            else:
-                continue
-            done += 1
+            if type(child) in packed:
+                setattr(module, name, packed[type(child)](child))
+                done += 1
     return done
 
 
-def _packed_tables(layer: nn.Module) -> None:
-    """The packed weight row-contiguous, its scales and biases float32, as the kernel reads them."""
-    layer.weight = mx.contiguous(layer.weight)
-    layer.scales = mx.contiguous(layer.scales.astype(mx.float32))
-    layer.biases = mx.contiguous(layer.biases.astype(mx.float32))
+def _take_packed(new: nn.Module, layer: nn.Module) -> None:
+    """`layer`'s quantization and packed weight on `new`, as the kernel reads them: the weight
+    row-contiguous, its scales and biases float32."""
+    new.group_size, new.bits, new.mode = layer.group_size, layer.bits, layer.mode
+    new.weight = mx.contiguous(layer.weight)
+    new.scales = mx.contiguous(layer.scales.astype(mx.float32))
+    new.biases = mx.contiguous(layer.biases.astype(mx.float32))
 
 
 class PackedLinear(nn.QuantizedLinear):
@@ -73,11 +72,9 @@ class PackedLinear(nn.QuantizedLinear):
 
     def __init__(self, layer: nn.QuantizedLinear):
         nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
-        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
+        _take_packed(self, layer)
         if "bias" in layer:
             self.bias = layer.bias
-        _packed_tables(self)
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -91,10 +88,8 @@ class PackedEmbedding(nn.QuantizedEmbedding):
 
     def __init__(self, layer: nn.QuantizedEmbedding):
         nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = layer.group_size, layer.bits, layer.mode
+        _take_packed(self, layer)
         self.num_embeddings, self.dims = layer.num_embeddings, layer.dims
-        self.weight, self.scales, self.biases = layer.weight, layer.scales, layer.biases
-        _packed_tables(self)
         self.freeze()
 
     def as_linear(self, x: mx.array) -> mx.array:
