@@ -66,7 +66,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
 
     if path == "package":
         model, _ = ts.load(gguf_path(), dequantize=not weights.startswith("packed"))
-        out_kernels = ts.cpu_ext.status() if weights == "packed" else "unused (dense or MLX's matmul)"
+        kernels_in_use = ts.cpu_ext.status() if weights == "packed" else "unused (dense or MLX's matmul)"
         if weights == "dense":  # back to the stored layout
             for _, m in model.named_modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -77,7 +77,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
         from mlx_lm.models.cache import make_prompt_cache
 
         model, _ = load_smollm2(cpu_fast=not weights.startswith("packed"))
-        out_kernels = "n/a"
+        kernels_in_use = "n/a"
         if weights == "dense-cm":
             ts.loading.column_major_weights(model)
         caches = {"fp16": lambda: make_prompt_cache(model)}
@@ -88,7 +88,7 @@ def measure(path: str, weights: str, prompt: int, steps: int, repeats: int, cont
     for _ in range(5):
         mx.eval(a @ b)
     out = {"gemm_gflops": 5 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t0) / 1e9, "blas": ts.cpu_blas(),
-           "cpu_kernels": out_kernels}  # fmt: skip
+           "cpu_kernels": kernels_in_use}  # fmt: skip
     out["row_dtype"] = str(ts.cache.model_dtype(model)).rsplit(".", 1)[-1]  # what the uncompressed rows hold
     ids = mx.array([[(7 * i) % 2000 + 100 for i in range(prompt)]])
     best = {kv: {"prefill_tok_s": 0.0, "decode_tok_s": 0.0} for kv in caches}
