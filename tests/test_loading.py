@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import turbospark_mlx as ts
-from turbospark_mlx.loading.gguf import GGUF_ARCHITECTURES, load_gguf_model, unpermute_rows
+from turbospark_mlx.loading import gguf as gguf_loading
+from turbospark_mlx.loading.gguf import GGUF_ARCHITECTURES, affine_from_gguf, load_gguf_model, unpermute_rows
 from turbospark_mlx.models import get_model_classes
 
 VOCAB = 64
@@ -186,7 +187,14 @@ def llama_cpp_rope_factors(config) -> np.ndarray:
 
 
 def write_gguf(path, model, config, arch, qtype=None):
-    """A GGUF holding `model`'s weights under llama.cpp names (F32, or `qtype` for 2-D weights)."""
+    """A GGUF holding `model`'s weights under llama.cpp names: F32, or `qtype` for 2-D weights,
+    or what `qtype(name, array)` returns for each tensor: (bytes, type), or None for F32."""
+    if not callable(qtype):
+        fixed = qtype
+
+        def qtype(name, a):
+            return (gguf.quants.quantize(a, fixed), fixed) if fixed is not None and a.ndim == 2 else None
+
     spec = GGUF_ARCHITECTURES[arch]
     reverse = {}
     for stem, hf in spec.tensors.items():
@@ -215,8 +223,9 @@ def write_gguf(path, model, config, arch, qtype=None):
                 config["num_attention_heads"] if stem.endswith("q_proj") else config["num_key_value_heads"]
             )
             a = permute_like_llama_cpp(a, heads)
-        if qtype is not None and a.ndim == 2:
-            w.add_tensor(f"{reverse[stem]}.{part}", gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        raw = qtype(f"{reverse[stem]}.{part}", a)
+        if raw is not None:
+            w.add_tensor(f"{reverse[stem]}.{part}", raw[0], raw_dtype=raw[1])
         else:
             w.add_tensor(f"{reverse[stem]}.{part}", a)
     w.write_header_to_file()
@@ -282,6 +291,71 @@ def test_gguf_quantized_weights(tmp_path, qtype):
     want = model(x)
     err = mx.abs(loaded(x) - want).max().item()
     assert err < 1e-3 * mx.abs(want).max().item(), err
+
+
+def q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Q4_K data of a (rows, cols) matrix: random sub-block scales, minimums and codes, with
+    super-block scales d and dmin of a weight's size (gguf cannot quantize to Q4_K)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin: float16
+        blocks[:, at : at + 2] = rng.uniform(1e-3, 4e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+REPACKED = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+
+
+@pytest.mark.parametrize("qtype", [*REPACKED, gguf.GGMLQuantizationType.Q4_K])
+def test_affine_from_gguf_repacks_blocks_exactly(qtype):
+    """Each repacked weight is the value llama.cpp's dequantization (the gguf package's) gives."""
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        data = q4_k_blocks(24, 512)
+    else:
+        weights = np.random.default_rng(1).standard_normal((24, 512)).astype(np.float32)
+        data = gguf.quants.quantize(weights, qtype)
+    w, scales, biases = affine_from_gguf(data, qtype, (24, 512))
+    bits = 8 if qtype == gguf.GGMLQuantizationType.Q8_0 else 4
+    assert w.dtype == np.uint32 and w.shape == (24, 512 * bits // 32) and scales.shape == (24, 16)
+    got = mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=32, bits=bits)
+    want = gguf.quants.dequantize(data, qtype).reshape(24, 512)
+    assert np.array_equal(np.array(got), want)
+
+
+def test_affine_from_gguf_leaves_other_types_and_shapes():
+    q5 = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q5_0)
+    assert affine_from_gguf(q5, gguf.GGMLQuantizationType.Q5_0, (4, 64)) is None
+    q8 = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    assert affine_from_gguf(q8, gguf.GGMLQuantizationType.Q8_0, (2, 2, 64)) is None
+
+
+def test_gguf_of_mixed_types_keeps_repackable_matrices_packed(tmp_path, monkeypatch):
+    """A file mx.load cannot read (a Q5_0 matrix) keeps its Q4_K / Q4_0 / Q4_1 / Q8_0 matrices
+    packed, as a Q4_K_M file from llama.cpp mixes them, and computes what the same file
+    dequantized whole computes; the Q5_0 matrix is dequantized."""
+    config = dict(CONFIG, intermediate_size=256)  # down_proj rows of 256: Q4_K's super-block
+    T = gguf.GGMLQuantizationType
+    kinds = {"ffn_down": T.Q4_K, "attn_v": T.Q5_0, "attn_q": T.Q4_0, "attn_k": T.Q4_1}
+
+    def encode(name, a):
+        if a.ndim != 2:
+            return None
+        qtype = next((t for stem, t in kinds.items() if f".{stem}." in name), T.Q8_0)
+        data = q4_k_blocks(*a.shape) if qtype == T.Q4_K else gguf.quants.quantize(a, qtype)
+        return data, qtype
+
+    path = write_gguf(tmp_path / "mixed.gguf", random_model(config), config, "llama", encode)
+    loaded, _ = load_gguf_model(path, dtype=mx.float32)
+    layer = loaded.model.layers[0]
+    assert (layer.mlp.down_proj.bits, layer.self_attn.q_proj.bits, layer.mlp.up_proj.bits) == (4, 4, 8)
+    assert isinstance(loaded.model.embed_tokens, nn.QuantizedEmbedding)
+    assert type(layer.self_attn.v_proj) is nn.Linear
+    monkeypatch.setattr(gguf_loading, "affine_from_gguf", lambda *a: None)
+    dense, _ = load_gguf_model(path, dtype=mx.float32)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.named_modules())
+    x = prompt_ids()
+    want = dense(x)
+    assert mx.abs(loaded(x) - want).max().item() < 1e-4 * mx.abs(want).max().item()
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

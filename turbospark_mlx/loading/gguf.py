@@ -1,7 +1,9 @@
 """GGUF files: tensors through `mx.load` (F32/F16/BF16/Q4_0/Q4_1/Q8_0 natively; the
-quantized ones stay packed as MLX affine weights, group size 32) or, for other types
-(K-quants, ...), through the `gguf` package, which dequantizes them; llama.cpp's tensor
-names and metadata keys mapped onto the family files by `GGUF_ARCHITECTURES`.
+quantized ones stay packed as MLX affine weights, group size 32) or, for files with other
+types (K-quants, Q5_0, ...), through the `gguf` package: there Q4_0, Q4_1, Q8_0 and Q4_K
+matrices are repacked, exactly, into MLX's affine 4- and 8-bit layout (`affine_from_gguf`) and
+the other types dequantized; llama.cpp's tensor names and metadata keys mapped onto the family
+files by `GGUF_ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -220,14 +222,61 @@ def _read_gguf_with_gguf_package(
             meta[name] = mx.array(value) if isinstance(value, (int, float, bool)) else value
         tensors = {}
         for t in reader.tensors:
-            data = dequantize(t.data, t.tensor_type)
             shape = tuple(int(n) for n in reversed(t.shape))  # GGML lists the fastest dimension first
+            packed = affine_from_gguf(t.data, t.tensor_type, shape)
+            if packed is not None and t.name.endswith(".weight"):
+                stem = t.name[: -len(".weight")]
+                tensors[t.name], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"] = map(mx.array, packed)
+                continue
+            data = dequantize(t.data, t.tensor_type)
             tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
     except Exception as e:
         raise ValueError(
             f"cannot read GGUF file {path}: it is truncated or damaged (mx.load: {mlx_error}; gguf: {e})"
         ) from None
     return tensors, meta
+
+
+def affine_from_gguf(data: np.ndarray, qtype, shape: tuple[int, ...]) -> tuple[np.ndarray, ...] | None:
+    """A GGUF matrix of Q4_0, Q4_1, Q8_0 or Q4_K blocks as MLX affine weights, group size 32:
+    (packed uint32 (out, in * bits / 32), scales, biases (out, in / 32), float32), each weight
+    scale * q + bias as llama.cpp's own dequantization computes it. None for other types and
+    shapes. (Q4_K's 32-weight sub-blocks carry a scale d·sc and a minimum dmin·m: MLX's groups.)"""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import Q4_K
+
+    if len(shape) != 2 or qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K):
+        return None
+    out, n_in = shape
+    block_bytes = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q4_K: 144}[qtype]
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, block_bytes)
+
+    def f16(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # 16 bytes -> 32 values: low nibbles, then high
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+    if qtype == T.Q8_0:
+        d = f16(blocks[:, :2])
+        q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        scales, biases, bits = d, -128 * d, 8
+    elif qtype == T.Q4_0:
+        d = f16(blocks[:, :2])
+        q, scales, biases, bits = nibbles(blocks[:, 2:]), d, -8 * d, 4
+    elif qtype == T.Q4_1:
+        q, scales, biases, bits = nibbles(blocks[:, 4:]), f16(blocks[:, :2]), f16(blocks[:, 2:4]), 4
+    else:  # Q4_K: 256 weights, 8 sub-blocks of 32; 32 bytes hold two sub-blocks, low nibbles first
+        d, dmin = f16(blocks[:, :2]), f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scales, biases, bits = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), 4
+        q = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = q & 0x0F
+    per_word = 32 // bits
+    q = q.reshape(out, n_in // per_word, per_word).astype(np.uint32)
+    packed = np.bitwise_or.reduce(q << (bits * np.arange(per_word, dtype=np.uint32)), axis=-1)
+    groups = (out, n_in // 32)
+    return packed, scales.reshape(groups), biases.reshape(groups)
 
 
 def _meta_str(meta: dict, key: str, path: Path) -> str:
