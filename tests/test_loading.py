@@ -269,7 +269,7 @@ def test_gguf_float_weights_map_back_exactly(tmp_path, arch, config):
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0])
 def test_gguf_quantized_weights(tmp_path, qtype):
-    """Q8_0 stays packed (mx.load reads it); Q5_0 goes through the gguf package's dequantizer.
+    """Both stay packed: mx.load reads Q8_0; the gguf package reads Q5_0, repacked to 8 bits.
 
     The oracle holds the weights the gguf package itself round-trips through `qtype`.
     """
@@ -277,8 +277,7 @@ def test_gguf_quantized_weights(tmp_path, qtype):
     loaded, _ = load_gguf_model(
         write_gguf(tmp_path / "q.gguf", model, CONFIG, "llama", qtype), dtype=mx.float32
     )
-    packed = isinstance(loaded.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    assert packed == (qtype == gguf.GGMLQuantizationType.Q8_0)
+    assert loaded.model.layers[0].self_attn.q_proj.bits == 8
 
     def round_trip(a):
         if a.ndim != 2:
@@ -293,29 +292,29 @@ def test_gguf_quantized_weights(tmp_path, qtype):
     assert err < 1e-3 * mx.abs(want).max().item(), err
 
 
-def q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Q4_K data of a (rows, cols) matrix: random sub-block scales, minimums and codes, with
-    super-block scales d and dmin of a weight's size (gguf cannot quantize to Q4_K)."""
+def k_quant_blocks(rows: int, cols: int, qtype=gguf.GGMLQuantizationType.Q4_K, seed: int = 0) -> np.ndarray:
+    """K-quant data of a (rows, cols) matrix (gguf cannot quantize to K-quants): random codes and
+    sub-block scales, with the float16 super-block scales (Q4_K, Q5_K: d and dmin first; Q6_K: d
+    last) of a weight's size."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
-    for at in (0, 2):  # d, dmin: float16
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for at in (size - 2,) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2):
         blocks[:, at : at + 2] = rng.uniform(1e-3, 4e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-REPACKED = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
-
-
-@pytest.mark.parametrize("qtype", [*REPACKED, gguf.GGMLQuantizationType.Q4_K])
-def test_affine_from_gguf_repacks_blocks_exactly(qtype):
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_affine_from_gguf_repacks_blocks_exactly(name):
     """Each repacked weight is the value llama.cpp's dequantization (the gguf package's) gives."""
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        data = q4_k_blocks(24, 512)
+    qtype = gguf.GGMLQuantizationType[name]
+    if name.endswith("_K"):
+        data = k_quant_blocks(24, 512, qtype)
     else:
         weights = np.random.default_rng(1).standard_normal((24, 512)).astype(np.float32)
         data = gguf.quants.quantize(weights, qtype)
     w, scales, biases = affine_from_gguf(data, qtype, (24, 512))
-    bits = 8 if qtype == gguf.GGMLQuantizationType.Q8_0 else 4
+    bits = 4 if name.startswith("Q4") else 8
     assert w.dtype == np.uint32 and w.shape == (24, 512 * bits // 32) and scales.shape == (24, 16)
     got = mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=32, bits=bits)
     want = gguf.quants.dequantize(data, qtype).reshape(24, 512)
@@ -323,31 +322,34 @@ def test_affine_from_gguf_repacks_blocks_exactly(qtype):
 
 
 def test_affine_from_gguf_leaves_other_types_and_shapes():
-    q5 = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q5_0)
-    assert affine_from_gguf(q5, gguf.GGMLQuantizationType.Q5_0, (4, 64)) is None
+    q6 = k_quant_blocks(4, 256, gguf.GGMLQuantizationType.Q6_K)
+    assert affine_from_gguf(q6, gguf.GGMLQuantizationType.Q6_K, (4, 256)) is None
     q8 = gguf.quants.quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
     assert affine_from_gguf(q8, gguf.GGMLQuantizationType.Q8_0, (2, 2, 64)) is None
 
 
 def test_gguf_of_mixed_types_keeps_repackable_matrices_packed(tmp_path, monkeypatch):
-    """A file mx.load cannot read (a Q5_0 matrix) keeps its Q4_K / Q4_0 / Q4_1 / Q8_0 matrices
-    packed, as a Q4_K_M file from llama.cpp mixes them, and computes what the same file
-    dequantized whole computes; the Q5_0 matrix is dequantized."""
-    config = dict(CONFIG, intermediate_size=256)  # down_proj rows of 256: Q4_K's super-block
+    """A file mx.load cannot read (K-quants), as llama.cpp's Q4_K_M files mix types, keeps its
+    Q4_K / Q5_K / Q4_0 / Q5_0 / Q8_0 matrices packed and computes what the same file
+    dequantized whole computes; the Q6_K matrix is dequantized."""
+    config = dict(CONFIG, hidden_size=256, intermediate_size=256)  # rows of K-quants' 256
     T = gguf.GGMLQuantizationType
-    kinds = {"ffn_down": T.Q4_K, "attn_v": T.Q5_0, "attn_q": T.Q4_0, "attn_k": T.Q4_1}
+    kinds = {"ffn_down": T.Q4_K, "ffn_up": T.Q5_K, "attn_v": T.Q6_K, "attn_q": T.Q4_0, "attn_k": T.Q5_0}
 
     def encode(name, a):
         if a.ndim != 2:
             return None
         qtype = next((t for stem, t in kinds.items() if f".{stem}." in name), T.Q8_0)
-        data = q4_k_blocks(*a.shape) if qtype == T.Q4_K else gguf.quants.quantize(a, qtype)
-        return data, qtype
+        if qtype.name.endswith("_K"):
+            return k_quant_blocks(*a.shape, qtype), qtype
+        return gguf.quants.quantize(a, qtype), qtype
 
     path = write_gguf(tmp_path / "mixed.gguf", random_model(config), config, "llama", encode)
     loaded, _ = load_gguf_model(path, dtype=mx.float32)
     layer = loaded.model.layers[0]
-    assert (layer.mlp.down_proj.bits, layer.self_attn.q_proj.bits, layer.mlp.up_proj.bits) == (4, 4, 8)
+    attn, mlp = layer.self_attn, layer.mlp
+    bits = [m.bits for m in (mlp.down_proj, mlp.up_proj, attn.q_proj, attn.k_proj, mlp.gate_proj)]
+    assert bits == [4, 8, 4, 8, 8]
     assert isinstance(loaded.model.embed_tokens, nn.QuantizedEmbedding)
     assert type(layer.self_attn.v_proj) is nn.Linear
     monkeypatch.setattr(gguf_loading, "affine_from_gguf", lambda *a: None)

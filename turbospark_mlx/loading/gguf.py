@@ -1,9 +1,9 @@
-"""GGUF files: tensors through `mx.load` (F32/F16/BF16/Q4_0/Q4_1/Q8_0 natively; the
-quantized ones stay packed as MLX affine weights, group size 32) or, for files with other
-types (K-quants, Q5_0, ...), through the `gguf` package: there Q4_0, Q4_1, Q8_0 and Q4_K
-matrices are repacked, exactly, into MLX's affine 4- and 8-bit layout (`affine_from_gguf`) and
-the other types dequantized; llama.cpp's tensor names and metadata keys mapped onto the family
-files by `GGUF_ARCHITECTURES`.
+"""GGUF files: tensors through `mx.load` (F32/F16/BF16/Q4_0/Q4_1/Q8_0 natively; the quantized
+ones stay packed as MLX affine weights, group size 32) or, for files with other types
+(K-quants, Q5_0, ...), through the `gguf` package: there the matrices of the types in
+`AFFINE_BLOCKS` are repacked, exactly, into MLX's affine 4- and 8-bit layout
+(`affine_from_gguf`) and the other types (Q6_K, ...) dequantized; llama.cpp's tensor names
+and metadata keys mapped onto the family files by `GGUF_ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -237,19 +237,24 @@ def _read_gguf_with_gguf_package(
     return tensors, meta
 
 
+# GGUF block types repacked into MLX's affine layout: type -> (bytes per block, MLX bits). The
+# 5-bit types are widened to 8 bits: the CPU kernels read 4 and 8 (cpu_ext).
+AFFINE_BLOCKS = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q4_K": (144, 4), "Q8_0": (34, 8),
+                 "Q5_0": (22, 8), "Q5_1": (24, 8), "Q5_K": (176, 8)}  # fmt: skip
+
+
 def affine_from_gguf(data: np.ndarray, qtype, shape: tuple[int, ...]) -> tuple[np.ndarray, ...] | None:
-    """A GGUF matrix of Q4_0, Q4_1, Q8_0 or Q4_K blocks as MLX affine weights, group size 32:
-    (packed uint32 (out, in * bits / 32), scales, biases (out, in / 32), float32), each weight
-    scale * q + bias as llama.cpp's own dequantization computes it. None for other types and
-    shapes. (Q4_K's 32-weight sub-blocks carry a scale d·sc and a minimum dmin·m: MLX's groups.)"""
-    from gguf import GGMLQuantizationType as T
+    """A GGUF matrix of `AFFINE_BLOCKS` as MLX affine weights, group size 32: (packed uint32
+    (out, in * bits / 32), scales, biases (out, in / 32), float32), each weight scale * q + bias
+    equal to llama.cpp's own dequantization of it. None for other types and shapes. (A K-quant's
+    32-weight sub-blocks carry a scale d·sc and a minimum dmin·m, as MLX's groups do.)"""
     from gguf.quants import Q4_K
 
-    if len(shape) != 2 or qtype not in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K):
+    name = getattr(qtype, "name", None)
+    if len(shape) != 2 or name not in AFFINE_BLOCKS:
         return None
-    out, n_in = shape
-    block_bytes = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q4_K: 144}[qtype]
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, block_bytes)
+    block_bytes, bits = AFFINE_BLOCKS[name]
+    b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, block_bytes)
 
     def f16(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
@@ -257,21 +262,37 @@ def affine_from_gguf(data: np.ndarray, qtype, shape: tuple[int, ...]) -> tuple[n
     def nibbles(qs: np.ndarray) -> np.ndarray:  # 16 bytes -> 32 values: low nibbles, then high
         return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
-    if qtype == T.Q8_0:
-        d = f16(blocks[:, :2])
-        q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        scales, biases, bits = d, -128 * d, 8
-    elif qtype == T.Q4_0:
-        d = f16(blocks[:, :2])
-        q, scales, biases, bits = nibbles(blocks[:, 2:]), d, -8 * d, 4
-    elif qtype == T.Q4_1:
-        q, scales, biases, bits = nibbles(blocks[:, 4:]), f16(blocks[:, :2]), f16(blocks[:, 2:4]), 4
-    else:  # Q4_K: 256 weights, 8 sub-blocks of 32; 32 bytes hold two sub-blocks, low nibbles first
-        d, dmin = f16(blocks[:, :2]), f16(blocks[:, 2:4])
-        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
-        scales, biases, bits = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), 4
-        q = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = q & 0x0F
+    def high_bits(qh: np.ndarray) -> np.ndarray:  # 4 bytes -> bit i of the word is value i's 5th bit
+        word = np.ascontiguousarray(qh).view(np.uint32)
+        return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+
+    def k_quant(codes: np.ndarray) -> tuple[np.ndarray, ...]:  # 8 sub-blocks of 32 per block
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        d, dmin = f16(b[:, :2]), f16(b[:, 2:4])
+        return codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+    def k_nibbles(qs: np.ndarray) -> np.ndarray:  # 32 bytes hold two sub-blocks, low nibbles first
+        return (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+
+    if name == "Q8_0":
+        d = f16(b[:, :2])
+        q, scales, biases = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    elif name == "Q4_0":
+        d = f16(b[:, :2])
+        q, scales, biases = nibbles(b[:, 2:]), d, -8 * d
+    elif name == "Q4_1":
+        q, scales, biases = nibbles(b[:, 4:]), f16(b[:, :2]), f16(b[:, 2:4])
+    elif name == "Q5_0":
+        d = f16(b[:, :2])
+        q, scales, biases = nibbles(b[:, 6:]) | high_bits(b[:, 2:6]), d, -16 * d
+    elif name == "Q5_1":
+        q, scales, biases = nibbles(b[:, 8:]) | high_bits(b[:, 4:8]), f16(b[:, :2]), f16(b[:, 2:4])
+    elif name == "Q4_K":
+        q, scales, biases = k_quant(k_nibbles(b[:, 16:]))
+    else:  # Q5_K: bit s of byte j of qh is the 5th bit of value j of sub-block s
+        qh = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        q, scales, biases = k_quant(k_nibbles(b[:, 48:]).reshape(-1, 8, 32) | (qh << 4))
+    out, n_in = shape
     per_word = 32 // bits
     q = q.reshape(out, n_in // per_word, per_word).astype(np.uint32)
     packed = np.bitwise_or.reduce(q << (bits * np.arange(per_word, dtype=np.uint32)), axis=-1)
