@@ -20,9 +20,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models import get_model_classes
+from .gguf_layout import GGUFLayout, read_layout
 from .tokenizers import gguf_tokenizer, meta_value
 
-GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks, as mx.load returns them
 
 
@@ -164,67 +164,44 @@ def load_gguf_model(path: Path, *, dtype: mx.Dtype | None = None, lazy: bool = F
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Tensors and metadata of a GGUF file.
 
-    mx.load reads float and Q4_0/Q4_1/Q8_0 tensors (quantized ones as packed
-    weight + scales + biases); a file with other types is read with the gguf
-    package, its matrices repacked (`affine_from_gguf`) or dequantized to float32.
+    mx.load reads float and Q4_0/Q4_1/Q8_0 tensors (quantized ones as packed weight + scales +
+    biases); a file with other types is read here (`gguf_layout`), its matrices repacked
+    (`affine_from_gguf`) or dequantized to float32 by the gguf package.
     """
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    reader = check_gguf_layout(path)
+    check_gguf_layout(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:
         mlx_error = e  # types mx.load does not read (K-quants, Q5_*, ...) or a damaged file
-    return _read_gguf_with_gguf_package(path, reader, mlx_error)
+    return _read_gguf_without_mx_load(path, mlx_error)
 
 
-def check_gguf_layout(path: Path):
-    """The header, metadata and tensor table of a GGUF file, parsed by the gguf package and
-    checked against the file's size before anything maps it: mx.load trusts the counts and
-    offsets, and a damaged count crashed the process (SIGSEGV) instead of raising. Returns the
-    parsed `gguf.GGUFReader` (parsing a 262k-token vocabulary takes it ~25 s on a 2-core CPU)."""
-    import gguf
-
-    size = Path(path).stat().st_size
-    try:
-        reader = gguf.GGUFReader(str(path))
-        tensors = list(reader.tensors)
-    except Exception as e:  # the reader raises whatever numpy / struct raise past the end
-        raise ValueError(f"cannot read GGUF file {path}: its header or tensor table is truncated or damaged ({e})") from None
-    for t in tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if int(t.n_elements) < 1 or any(int(n) < 1 for n in t.shape) or end > size:
-            raise ValueError(
-                f"cannot read GGUF file {path}: tensor {t.name!r} (shape {[int(n) for n in t.shape]}, "
-                f"bytes {int(t.data_offset)}..{end}) lies outside the file of {size} bytes: truncated or damaged"
-            )
-    return reader
+def check_gguf_layout(path: Path) -> GGUFLayout:
+    """The header, metadata and tensor table of a GGUF file, checked against the file's size
+    before anything maps it: mx.load trusts the counts and offsets, and a damaged count crashed
+    the process (SIGSEGV) instead of raising. Array and string values are left undecoded."""
+    return read_layout(path, values=False)
 
 
-def _read_gguf_with_gguf_package(
-    path: Path, reader, mlx_error: Exception
+def _read_gguf_without_mx_load(
+    path: Path, mlx_error: Exception
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    layout = read_layout(path)
+    meta = {k: mx.array(v) if isinstance(v, (int, float, bool)) else v for k, v in layout.metadata.items()}
+    tensors = {}
     try:
-        meta = {}
-        for name, f in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            value = f.contents()
-            meta[name] = mx.array(value) if isinstance(value, (int, float, bool)) else value
-        tensors = {}
-        for t in reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape))  # GGML lists the fastest dimension first
-            packed = affine_from_gguf(t.data, t.tensor_type, shape)
+        for t in layout.tensors:
+            qtype, data = GGMLQuantizationType(t.ggml_type), layout.tensor_bytes(t)
+            packed = affine_from_gguf(data, qtype, t.shape)
             if packed is not None and t.name.endswith(".weight"):
                 stem = t.name[: -len(".weight")]
                 tensors[t.name], tensors[f"{stem}.scales"], tensors[f"{stem}.biases"] = map(mx.array, packed)
                 continue
-            data = dequantize(t.data, t.tensor_type)
-            tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+            values = np.ascontiguousarray(dequantize(data, qtype), dtype=np.float32)
+            tensors[t.name] = mx.array(values.reshape(t.shape))
     except Exception as e:
         raise ValueError(
             f"cannot read GGUF file {path}: it is truncated or damaged (mx.load: {mlx_error}; gguf: {e})"
