@@ -186,9 +186,10 @@ def llama_cpp_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(path, model, config, arch, qtype=None):
+def write_gguf(path, model, config, arch, qtype=None, metadata=None):
     """A GGUF holding `model`'s weights under llama.cpp names: F32, or `qtype` for 2-D weights,
-    or what `qtype(name, array)` returns for each tensor: (bytes, type), or None for F32."""
+    or what `qtype(name, array)` returns for each tensor: (bytes, type), or None for F32.
+    `metadata(writer)` adds more keys."""
     if not callable(qtype):
         fixed = qtype
 
@@ -213,6 +214,8 @@ def write_gguf(path, model, config, arch, qtype=None):
     if "head_dim" in config:
         w.add_key_length(config["head_dim"])
         w.add_value_length(config["head_dim"])
+    if metadata is not None:
+        metadata(w)
     if "rope_scaling" in config:
         w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(config))
     for name, a in tree_flatten(model.parameters()):
@@ -358,6 +361,36 @@ def test_gguf_of_mixed_types_keeps_repackable_matrices_packed(tmp_path, monkeypa
     x = prompt_ids()
     want = dense(x)
     assert mx.abs(loaded(x) - want).max().item() < 1e-4 * mx.abs(want).max().item()
+
+
+def sentencepiece_vocabulary(w: gguf.GGUFWriter) -> None:
+    """A llama-style (sentencepiece) vocabulary of VOCAB tokens: specials, byte tokens, pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(16)]
+    tokens += ["\u2581", "a", "b", "c", "\u2581a", "\u2581b", "ab", "\u2581ab", "ba", "\u2581c"]
+    tokens += [f"w{i}" for i in range(VOCAB - len(tokens))]
+    pieces = len(tokens) - 19
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 19 + [-float(i) for i in range(pieces)])
+    w.add_token_types([2, 3, 3] + [6] * 16 + [1] * pieces)  # unknown, control, byte, normal
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def test_gguf_sentencepiece_tokenizer_is_transformers_own(tmp_path):
+    """A non-BPE vocabulary goes through transformers' GGUF converter: the tokenizer encodes and
+    decodes as `AutoTokenizer.from_pretrained(gguf_file=...)` builds it from the same file."""
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / "s.gguf", random_model(), CONFIG, "llama", metadata=sentencepiece_vocabulary)
+    _, tok = ts.load(path)
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["a b c", "ab ba abc", " c", "xyz", ""]:
+        ids = tok.encode(text)
+        assert ids == auto.encode(text) and ids[0] == 1, text
+        assert tok.decode(ids) == auto.decode(ids)
+    assert 2 in tok.eos_token_ids
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

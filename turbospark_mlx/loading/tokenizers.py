@@ -50,10 +50,8 @@ def gguf_tokenizer(path: Path, meta: dict):
     if kind == "gpt2":
         tok = _bpe_tokenizer_from_gguf(path, meta)
     else:
-        from transformers import AutoTokenizer
-
         try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = _converted_tokenizer(path)
         except Exception as e:
             raise ValueError(
                 f"{path.name}: cannot build a {kind!r} tokenizer from the GGUF metadata: {e}"
@@ -67,6 +65,26 @@ def gguf_tokenizer(path: Path, meta: dict):
     if detok is None:
         return TokenizerWrapper(tok, eos_token_ids=stop)
     return TokenizerWrapper(tok, detok, eos_token_ids=stop)
+
+
+def _converted_tokenizer(path: Path):
+    """transformers' GGUF tokenizer converter on the file. Its `get_gguf_tokenizer` reads the
+    vocabulary with transformers' own struct reader; `AutoTokenizer.from_pretrained(gguf_file=)`
+    builds the same tokenizer but first parses the whole file with the gguf package for the
+    model's config (~22 s of Gemma-3-270M's load on a 2-core CPU), so it serves only versions
+    of transformers without that module."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+    except ImportError:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    architecture, vocabulary, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
 def _bpe_tokenizer_from_gguf(path: Path, meta: dict):
