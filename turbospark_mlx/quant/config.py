@@ -204,11 +204,11 @@ class TurboQuantConfig:
 # Rows are committed 64 at a time, so 63 decode steps in 64 write no codes: fewer graph nodes
 # per step (benchmarks/results/generate_e2e.md), and each row reads 128 to 191 FP16 positions.
 PROTECTION = dict(window_rows=128, sink_rows=4, center_keys=True, commit_rows=64)
-# tq4 keeps 256 positions in FP16: at 8k tokens its mean KL to FP16 is 19-31% lower than with
-# 128 on both models and texts (benchmarks/results/quality.md, "tq4 with its 256-row window").
+# tq4 keeps 256 positions in FP16: at 8k tokens its mean KL to FP16 is 17-32% lower than with
+# 128 on both models and texts (benchmarks/results/quality.md, `tq4:window_rows=128`).
 TQ4_WINDOW_ROWS = 256
-# tq3 keeps 512 positions in FP16: +0.9% to +2.1% perplexity at 8k tokens on SmolLM2-135M and
-# Gemma-3-270M, against +2.7% to +5.8% with 128 (benchmarks/results/quality.md).
+# tq3 keeps 512 positions in FP16: +0.9% to +2.2% perplexity at 8k tokens on SmolLM2-135M and
+# Gemma-3-270M, against +2.4% to +5.0% with 128 (benchmarks/results/quality.md).
 TQ3_WINDOW_ROWS = 512
 
 PRESETS: dict[str, TurboQuantConfig] = {
@@ -234,8 +234,8 @@ DEFAULT_PRESET = "k8v4"
 # Shipped presets measured to lose quality a user should hear about when a cache uses them
 # (benchmarks/results/quality.md): preset name -> what was measured.
 QUALITY_WARNINGS = {
-    "tq2": "+2.1% and +2.2% perplexity against the FP16 cache on SmolLM2-135M and Gemma-3-270M "
-    "at 1k tokens, +10.6% and +18.7% at 8k (84% and 77% top-1 agreement), where k8v4 and tq4 "
+    "tq2": "+2.2% and +2.4% perplexity against the FP16 cache on SmolLM2-135M and Gemma-3-270M "
+    "at 1k tokens, +10.7% and +18.7% at 8k (84% and 77% top-1 agreement), where k8v4 and tq4 "
     "stay within about 1% (benchmarks/results/quality.md)",
 }
 
