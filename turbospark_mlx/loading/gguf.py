@@ -168,28 +168,28 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     biases); a file with other types is read here (`gguf_layout`), its matrices repacked
     (`affine_from_gguf`) or dequantized to float32 by the gguf package.
     """
-    check_gguf_layout(path)
+    layout = check_gguf_layout(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception as e:
         mlx_error = e  # types mx.load does not read (K-quants, Q5_*, ...) or a damaged file
-    return _read_gguf_without_mx_load(path, mlx_error)
+    return _read_gguf_without_mx_load(layout, mlx_error)
 
 
 def check_gguf_layout(path: Path) -> GGUFLayout:
     """The header, metadata and tensor table of a GGUF file, checked against the file's size
     before anything maps it: mx.load trusts the counts and offsets, and a damaged count crashed
-    the process (SIGSEGV) instead of raising. Array and string values are left undecoded."""
-    return read_layout(path, values=False)
+    the process (SIGSEGV) instead of raising."""
+    return read_layout(path)
 
 
 def _read_gguf_without_mx_load(
-    path: Path, mlx_error: Exception
+    layout: GGUFLayout, mlx_error: Exception
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    layout = read_layout(path)
+    path = layout.path
     meta = {k: mx.array(v) if isinstance(v, (int, float, bool)) else v for k, v in layout.metadata.items()}
     tensors = {}
     try:

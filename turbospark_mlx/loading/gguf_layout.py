@@ -37,8 +37,7 @@ class GGUFTensor:
 
 @dataclass
 class GGUFLayout:
-    """What `read_layout` found: metadata (values decoded only when asked for), the tensors,
-    and the file mapped read-only."""
+    """What `read_layout` found: the metadata, the tensors, and the file mapped read-only."""
 
     path: Path
     metadata: dict[str, Any]
@@ -74,33 +73,29 @@ class _Cursor:
             raise _Damaged(f"a count of {n} at offset {self.pos} does not fit the file")
         return n
 
-    def string(self, decode: bool) -> str | None:
-        raw = self.take(self.count("<Q", 1))
-        return bytes(raw).decode("utf-8") if decode else None
+    def string(self) -> str:
+        return bytes(self.take(self.count("<Q", 1))).decode("utf-8")
 
-    def value(self, kind: int, decode: bool, depth: int = 0) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind in _FIXED:
             dtype = np.dtype(_FIXED[kind])
             return np.frombuffer(self.take(dtype.itemsize), dtype)[0].item()
         if kind == _STRING:
-            return self.string(decode)
+            return self.string()
         if kind != _ARRAY or depth > 2:
             raise _Damaged(f"value type {kind} at offset {self.pos}")
         (item,) = self.unpack("<I")
         if item in _FIXED:
             dtype = np.dtype(_FIXED[item])
             n = self.count("<Q", dtype.itemsize)
-            raw = self.take(n * dtype.itemsize)
-            return np.frombuffer(raw, dtype).tolist() if decode else None
+            return np.frombuffer(self.take(n * dtype.itemsize), dtype).tolist()
         n = self.count("<Q", 8 if item == _STRING else 12)
-        values = [self.value(item, decode, depth + 1) for _ in range(n)]
-        return values if decode else None
+        return [self.value(item, depth + 1) for _ in range(n)]
 
 
-def read_layout(path: str | Path, values: bool = True) -> GGUFLayout:
+def read_layout(path: str | Path) -> GGUFLayout:
     """The file's metadata and tensor table, each tensor checked to lie inside the file.
-    `values=False` leaves array and string values undecoded (None): checking a file needs only
-    the table. Raises ValueError naming the file where it is not a GGUF or is damaged."""
+    Raises ValueError naming the file where it is not a GGUF or is damaged."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
@@ -119,12 +114,12 @@ def read_layout(path: str | Path, values: bool = True) -> GGUFLayout:
         n_meta = c.count("<Q", 8 + 4 + 1)
         metadata = {}
         for _ in range(n_meta):
-            key = c.string(True)
+            key = c.string()
             (kind,) = c.unpack("<I")
-            metadata[key] = c.value(kind, values or kind not in (_STRING, _ARRAY))
+            metadata[key] = c.value(kind)
         table = []
         for _ in range(n_tensors):
-            name = c.string(True)
+            name = c.string()
             (n_dims,) = c.unpack("<I")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise _Damaged(f"tensor {name!r} has {n_dims} dimensions")
