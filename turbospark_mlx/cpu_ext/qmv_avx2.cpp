@@ -45,10 +45,6 @@ struct V256 {
 
 } // namespace
 
-const Kernels avx2 = {
-    {packed_rows<V256, 4, 1>, packed_rows<V256, 4, 2>, packed_rows<V256, 4, 3>, packed_rows<V256, 4, 4>},
-    {packed_rows<V256, 8, 1>, packed_rows<V256, 8, 2>, packed_rows<V256, 8, 3>, packed_rows<V256, 8, 4>},
-    dequantize_rows<V256, 4>,
-    dequantize_rows<V256, 8>};
+const Kernels avx2 = kernels_on<V256>();
 
 } // namespace turbospark::kernels

@@ -38,10 +38,6 @@ struct V512 {
 
 } // namespace
 
-const Kernels avx512 = {
-    {packed_rows<V512, 4, 1>, packed_rows<V512, 4, 2>, packed_rows<V512, 4, 3>, packed_rows<V512, 4, 4>},
-    {packed_rows<V512, 8, 1>, packed_rows<V512, 8, 2>, packed_rows<V512, 8, 3>, packed_rows<V512, 8, 4>},
-    dequantize_rows<V512, 4>,
-    dequantize_rows<V512, 8>};
+const Kernels avx512 = kernels_on<V512>();
 
 } // namespace turbospark::kernels

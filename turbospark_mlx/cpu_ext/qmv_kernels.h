@@ -104,4 +104,13 @@ void dequantize_rows(const uint8_t* w, const float* s, const float* b, float* ds
   }
 }
 
+// The table an instruction set's file exports: every kernel above on its vector type.
+template <class V>
+Kernels kernels_on() {
+  return {{packed_rows<V, 4, 1>, packed_rows<V, 4, 2>, packed_rows<V, 4, 3>, packed_rows<V, 4, 4>},
+          {packed_rows<V, 8, 1>, packed_rows<V, 8, 2>, packed_rows<V, 8, 3>, packed_rows<V, 8, 4>},
+          dequantize_rows<V, 4>,
+          dequantize_rows<V, 8>};
+}
+
 } // namespace turbospark::kernels
