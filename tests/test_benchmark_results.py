@@ -43,13 +43,36 @@ def test_quality_merge_replaces_the_runs_measured_and_keeps_the_order(bench):
     assert [(r["model"], r["run"]) for r in got][-1] == ("/m/c.gguf", "8k-heldout") and len(got) == 5
 
 
-def test_quality_runs_every_compressed_preset_at_1k(bench):
+def test_quality_merge_of_presets_joins_the_run_on_the_same_fp16_baseline(bench):
+    quality, _ = bench
+    row = lambda preset, ppl: {"preset": preset, "perplexity": ppl}  # noqa: E731
+    base = {"model": "/m/a.gguf", "run": "8k", "command": "whole", "date": "d1", "seconds": 9.0,
+            "results": [row("fp16", 10.0), row("k8v4", 10.1), row("tq4", 10.2), row("tq2", 12.0)]}  # fmt: skip
+    new = {"model": "/m/a.gguf", "run": "8k", "command": "more", "date": "d2", "seconds": 3.0,
+           "results": [row("fp16", 10.0), row("tq2", 11.0), row("k4v3", 10.3)]}  # fmt: skip
+    (got,) = quality.merged([base], [new], presets_only=True)
+    # The run's declared order (k4v3 between tq4 and tq2), the new tq2 replacing the old one.
+    assert [(x["preset"], x["perplexity"]) for x in got["results"]] == [
+        ("fp16", 10.0), ("k8v4", 10.1), ("tq4", 10.2), ("k4v3", 10.3), ("tq2", 11.0),
+    ]  # fmt: skip
+    assert got["command"] == "whole" and got["added"][0]["presets"] == ["tq2", "k4v3"]
+    assert quality._ran(got, "command") == ["whole", "more"] and quality._ran(got, "date") == ["d1", "d2"]
+    # Without --presets the new run replaces the old one whole.
+    assert quality.merged([base], [new]) == [new]
+    # Another FP16 baseline (other tokens, another machine) cannot be mixed in.
+    new["results"][0] = row("fp16", 10.5)
+    with pytest.raises(SystemExit, match="FP16 perplexity 10.500000 differs"):
+        quality.merged([base], [new], presets_only=True)
+
+
+def test_quality_runs_every_compressed_preset(bench):
     quality, _ = bench
     import turbospark_mlx as ts
 
     run = quality.RUNS["1k"]
     assert set(quality.SHIPPED) == set(ts.PRESETS) - {"fp16"}
     assert set(run.presets) == {p for n in quality.SHIPPED for p in (n, f"{n}-plain")}
+    assert all(set(quality.SHIPPED) <= set(quality.RUNS[r].presets) for r in ("8k", "8k-heldout"))
 
 
 def test_passkey_merge_keys_rows_by_model_context_and_preset(bench):
