@@ -4,6 +4,7 @@ centroid lookup against the oracles in quant/reference.py."""
 import mlx.core as mx
 import pytest
 
+from turbospark_mlx.quant import compiled
 from turbospark_mlx.quant.compiled import (
     HOST_STEP_MIN_ROWS,
     STEP_MAX_ROWS,
@@ -81,14 +82,35 @@ def test_step_equals_oracle(bits, rotation, B, Ld, with_sinks, with_mean):
         assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), (L, mx.abs(got - want).max().item())
 
 
-def test_step_leaves_long_histories_and_single_fp16_rows_to_the_oracle():
+def test_step_leaves_long_histories_off_the_host_and_single_fp16_rows_to_the_oracle(monkeypatch):
     quant = layer_quant(4, 4, 64)
     L = STEP_MAX_ROWS + 1
     kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, 1, 2, L, 1, 64, seed=0)
     q = mx.random.normal((1, 2, 1, 64))
     codes = (kc, kn, vc, vn)
-    assert protected_step_ref(q, None, None, codes, (0, L), quant, scale=0.125) is None
     assert protected_step_ref(q, keys, values, codes, (0, 3), quant, scale=0.125) is None
+    # On the CPU device the host step takes any length, in blocks of STEP_MAX_ROWS rows.
+    got = protected_step_ref(q, None, None, codes, (0, L), quant, scale=0.125)
+    want = tq_attention_ref(q, *codes, quant, scale=0.125)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+    monkeypatch.setattr(compiled, "HOST_STEP_MIN_ROWS", 10**9)  # as off the CPU device
+    assert protected_step_ref(q, None, None, codes, (0, L), quant, scale=0.125) is None
+
+
+@pytest.mark.parametrize("with_dense,with_sinks,with_mean", [(False, False, False), (True, True, True)])
+def test_host_step_in_blocks_equals_oracle(monkeypatch, with_dense, with_sinks, with_mean):
+    """Blocks of 16 rows over 100 (the last one short): the online softmax across blocks."""
+    monkeypatch.setattr(compiled, "STEP_MAX_ROWS", 16)
+    B, H, G, D, L, lo = 2, 2, 3, 64, 100, 5
+    quant = layer_quant(8, 4, D)
+    kc, kn, vc, vn, (keys, values) = codes_and_rows(quant, B, H, lo + L, 9 if with_dense else 0, D, seed=3)
+    q = mx.random.normal((B, H * G, 1, D))
+    kw = dict(scale=0.125, sinks=mx.random.normal((H * G,)) if with_sinks else None,
+              key_mean=mx.random.normal((B, H, D)) if with_mean else None)  # fmt: skip
+    got = protected_step_ref(q, keys, values, (kc, kn, vc, vn), (lo, lo + L), quant, **kw)
+    read = [a[:, :, lo:] for a in (kc, kn, vc, vn)]
+    want = tq_attention_ref(q, *read, quant, dense=None if keys is None else (keys, values, None), **kw)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), mx.abs(got - want).max().item()
 
 
 @pytest.mark.parametrize("bits,rotation", [((8, 4), "auto"), ((3, 3), "auto"), ((4, 2), "dense")])

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from .reference import centroids_of, quantize_ref
 from .rotation import rotate, unrotate
@@ -23,7 +24,7 @@ from .tables import LayerQuant, SideQuant
 
 # Code rows up to which one compiled call decodes a step's codes at once (float32
 # rows of both sides: 2 · B · H · rows · d · 4 bytes, 32 MiB at 8 KV heads, d = 128);
-# longer histories take the oracle's blocks.
+# longer histories take the oracle's blocks, or the host step's, which are this size too.
 STEP_MAX_ROWS = 4096
 
 # Code rows from which a step on the CPU device runs on the host (`_host_step`): numpy's take
@@ -91,19 +92,21 @@ def protected_step_ref(
         rows: the code slots read, [lo, hi).
         sinks: (Hq,) sink logits, or None; key_mean: (B, H, d) or None.
     Returns:
-        (B, Hq, 1, d) in the queries' dtype, or None for fewer than 2 code or FP16 rows or
-        more than STEP_MAX_ROWS code rows (the caller then takes the oracle).
+        (B, Hq, 1, d) in the queries' dtype, or None for fewer than 2 code or FP16 rows or,
+        off the host step, more than STEP_MAX_ROWS code rows (the caller then takes the oracle).
     """
     B, Hq, _, D = queries.shape
     (lo, hi), H = rows, codes[0].shape[1]
     # A shapeless graph must never meet a reduced axis of size 1: MLX 0.32 drops such a
     # reduction from the trace and crashes on replay (ml-explore/mlx#3201).
-    if not 2 <= hi - lo <= STEP_MAX_ROWS or (keys is not None and keys.shape[2] < 2):
+    if hi - lo < 2 or (keys is not None and keys.shape[2] < 2):
         return None
     k_codes, k_norms, v_codes, v_norms = codes
     on_host = hi - lo >= HOST_STEP_MIN_ROWS and mx.default_device() == mx.cpu
     if on_host and _host_table(quant.k) is not None and _host_table(quant.v) is not None:
         return _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean)
+    if hi - lo > STEP_MAX_ROWS:
+        return None
     none = mx.zeros((1,))  # stands in for an absent input: the graph for its layout ignores it
     graph = _step_graph(
         quant.k.rotation.kind, quant.v.rotation.kind, float(scale), keys is not None, key_mean is not None,
@@ -132,7 +135,8 @@ def _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean
     """`_step_graph`'s arithmetic in numpy, on the buffers of the evaluated arrays (one sync
     per call): a code row's centroids come from the half-word tables (numpy's take) and never
     become MLX arrays, and numpy's small ops cost a few microseconds where MLX's CPU ops cost
-    5-20. The code part's output is rotated back by MLX (Hadamard)."""
+    5-20. The code part's output is rotated back by MLX (Hadamard). numpy's BLAS runs on one
+    thread here (`_blas_threads`)."""
     B, Hq, _, D = queries.shape
     (lo, hi), H = rows, codes[0].shape[1]
     k_codes, k_norms, v_codes, v_norms = codes
@@ -141,29 +145,39 @@ def _host_step(queries, keys, values, codes, rows, quant, scale, sinks, key_mean
     dense = [] if keys is None else [keys.astype(mx.float32), values.astype(mx.float32)]
     extra = [] if key_mean is None else [key_mean.astype(mx.float32)]
     mx.eval(q, q_rot, k_codes, k_norms, v_codes, v_norms, *dense, *extra)
-    qn, qr = np.asarray(q), np.asarray(q_rot)
-    k = _host_centroids(k_codes, lo, hi, quant.k)
-    s_codes = (qr @ k.swapaxes(-1, -2)) * (scale * np.asarray(k_norms)[:, :, None, lo:hi])
-    if key_mean is not None:  # q·mean: the part of the score the centred codes leave out
-        s_codes += scale * (qn @ np.asarray(extra[0])[:, :, :, None])
-    m = s_codes.max(axis=-1, keepdims=True)
-    if dense:
-        s_dense = scale * (qn @ np.asarray(dense[0]).swapaxes(-1, -2))
-        m = np.maximum(m, s_dense.max(axis=-1, keepdims=True))
-    if sinks is not None:
-        sink = np.asarray(sinks.astype(mx.float32)).reshape(1, H, Hq // H, 1)
-        m = np.maximum(m, sink)
-    p = np.exp(s_codes - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    p *= np.asarray(v_norms)[:, :, None, lo:hi]
-    out = unrotate(mx.array(p @ _host_centroids(v_codes, lo, hi, quant.v)), quant.v.rotation.kind,
-                   quant.v.rotation.array)  # fmt: skip
-    if dense:
-        p_dense = np.exp(s_dense - m)
-        denom = denom + p_dense.sum(axis=-1, keepdims=True)
-        out = out + mx.array(p_dense @ np.asarray(dense[1]))
-    if sinks is not None:
-        denom = denom + np.exp(sink - m)
+    with _blas_threads().limit(limits=1):
+        qn, qr = np.asarray(q), np.asarray(q_rot)
+        k_norms, v_norms = np.asarray(k_norms), np.asarray(v_norms)
+        # q·mean: the part of the score the centred codes leave out
+        shift = 0.0 if key_mean is None else scale * (qn @ np.asarray(extra[0])[:, :, :, None])
+        m = np.full((B, H, Hq // H, 1), -np.inf, np.float32)
+        if dense:
+            s_dense = scale * (qn @ np.asarray(dense[0]).swapaxes(-1, -2))
+            m = np.maximum(m, s_dense.max(axis=-1, keepdims=True))
+        if sinks is not None:
+            sink = np.asarray(sinks.astype(mx.float32)).reshape(1, H, Hq // H, 1)
+            m = np.maximum(m, sink)
+        # The code rows in blocks of STEP_MAX_ROWS with an online softmax: the decoded rows of a
+        # block are the only transient, whatever the context.
+        acc, denom = np.zeros((B, H, Hq // H, D), np.float32), np.zeros_like(m)
+        for b0 in range(lo, hi, STEP_MAX_ROWS):
+            b1 = min(hi, b0 + STEP_MAX_ROWS)
+            k = _host_centroids(k_codes, b0, b1, quant.k)
+            s_codes = (qr @ k.swapaxes(-1, -2)) * (scale * k_norms[:, :, None, b0:b1]) + shift
+            m_new = np.maximum(m, s_codes.max(axis=-1, keepdims=True))
+            alpha = np.exp(m - m_new)
+            p = np.exp(s_codes - m_new)
+            denom = denom * alpha + p.sum(axis=-1, keepdims=True)
+            p *= v_norms[:, :, None, b0:b1]
+            acc = acc * alpha + p @ _host_centroids(v_codes, b0, b1, quant.v)
+            m = m_new
+        out = unrotate(mx.array(acc), quant.v.rotation.kind, quant.v.rotation.array)
+        if dense:
+            p_dense = np.exp(s_dense - m)
+            denom = denom + p_dense.sum(axis=-1, keepdims=True)
+            out = out + mx.array(p_dense @ np.asarray(dense[1]))
+        if sinks is not None:
+            denom = denom + np.exp(sink - m)
     return (out / mx.array(denom)).reshape(B, Hq, 1, D).astype(queries.dtype)
 
 
@@ -182,6 +196,15 @@ def _centroids(codes: mx.array, lo: int, hi: int, tables: SideQuant, on_host: bo
     if not on_host or _host_table(tables) is None:
         return centroids_of(codes[:, :, lo:hi], tables)
     return mx.array(_host_centroids(codes, lo, hi, tables))
+
+
+@lru_cache(maxsize=None)
+def _blas_threads() -> ThreadpoolController:
+    """The process's BLAS libraries (numpy's; MKL under MLX's CPU matmuls where loaded), found at
+    the first host step. Their threads stay idle through the host's small matmuls: numpy's BLAS
+    threads and MKL's spinning against each other on the cores made a `k8v4` step 2.0-2.6x
+    slower at 4k tokens on a 2-core VM (docs/backends.md, "The CPU backend's cache paths")."""
+    return ThreadpoolController().select(user_api="blas")
 
 
 @lru_cache(maxsize=None)
