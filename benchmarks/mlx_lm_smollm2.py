@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+import turbospark_mlx as ts  # isort: skip  (before mlx.core: MKL under MLX's CPU matmuls, for every cache)
+
 import mlx.core as mx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,6 +137,12 @@ def memory_run(kind: str, prompt_tokens: int, decode_tokens: int) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# SmolLM2-135M-Instruct (Q4_1 GGUF) through stock mlx-lm {res['mlx_lm']}", ""]
     lines += [f"Machine: {res['machine']}. MLX {res['mlx']}. Command: `{res['command']}`.", ""]
+    lines += [
+        "mlx-lm's caches (`mlx-fp16`: `KVCache`, `mlx-q4`: `QuantizedKVCache(group_size=64, bits=4)`) "
+        "beside this package's shipped presets through `turbospark_mlx.mlx_lm.make_prompt_cache(model, "
+        "PRESET)` (each compressed layer with its FP16 window, sink rows and centred keys).",
+        "",
+    ]
     if res.get("memory_command"):
         lines += [f"Memory rows marked (separate run) come from `{res['memory_command']}`.", ""]
     if res.get("cpu_fast"):
@@ -235,7 +243,7 @@ def main():
         "quality": quality(model, tok, texts, a.tokens, a.chunk, a.quality_kinds.split(",")),
         "prompt_tokens": a.prompt_tokens,
         "cpu_fast": CPU_FAST,
-        "blas": os.environ.get("LD_PRELOAD") or "the BLAS bundled with the mlx wheel",
+        "blas": ts.cpu_blas(),
     }
     old = {}
     if a.reuse_memory:  # rows of kinds not in --kinds are kept from the results file at --out
