@@ -146,5 +146,6 @@ def main() -> None:
     out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(rows))
 
+
 if __name__ == "__main__":
     main()
